@@ -1,0 +1,85 @@
+"""Shared test setup: make `specpatch` importable, load the CUDA driver stub on CPU machines,
+skip `gpu` tests without CUDA, and write a JSON summary (`--summary-json`) for the GPU tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+try:
+    import specpatch  # noqa: F401  (installed editable by tools/setup.sh)
+except ImportError:  # the GPU host runs from a bare checkout
+    sys.path.insert(0, str(REPO / "tools"))
+
+from specpatch import cudastub  # noqa: E402
+
+# Must run before anything imports sgl_kernel: it links libcuda.so.1, absent without a driver.
+CUDA_STUB = cudastub.preload()  # "driver" on a GPU host
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--summary-json", default=None, help="write a JSON summary of the run here")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run the GPU tier on the GPU host: tools/gpu-tests.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def record_metric(request):
+    """Record a number for the run summary, e.g. record_metric("tok_per_s", 1834.2)."""
+
+    def record(name: str, value) -> None:
+        request.node.user_properties.append((name, value))
+
+    return record
+
+
+_results: list[dict] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _results.append({
+            "test": report.nodeid,
+            "outcome": report.outcome,
+            "seconds": round(report.duration, 2),
+            "metrics": dict(report.user_properties),
+            **({"skip_reason": report.longrepr[2]} if report.skipped and isinstance(report.longrepr, tuple) else {}),
+        })
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--summary-json")
+    if not path:
+        return
+    counts: dict[str, int] = {}
+    for r in _results:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    summary = {
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "exitstatus": int(exitstatus),
+        "cuda_stub": CUDA_STUB,
+        "counts": counts,
+        "tests": _results,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=1) + "\n")

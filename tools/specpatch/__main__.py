@@ -1,0 +1,5 @@
+import sys
+
+from specpatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,121 @@
+"""Run sglang Engines on synthetic model pairs: the flags the GPU bundle needs, greedy runs,
+accept-length and throughput readings. Shared by the GPU tests and the benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+# The trimmed GPU bundle has no FA3, no FlashInfer JIT and no xgrammar (shared/gpu/README.md).
+BUNDLE_FLAGS = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """One speculative configuration; None means no speculation."""
+
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+    overlap: bool = True  # False: spec v1 (the base's fallback for trees)
+
+    @property
+    def label(self) -> str:
+        version = "v2" if self.overlap else "v1"
+        shape = "chain" if self.topk == 1 else "tree"
+        return f"{version}-{shape}-k{self.topk}s{self.num_steps}d{self.num_draft_tokens}"
+
+
+def engine_kwargs(
+    target: Path,
+    draft: Optional[Path],
+    spec: Optional[SpecConfig],
+    *,
+    cuda_graph: bool = True,
+    max_running_requests: int = 64,
+    mem_fraction_static: float = 0.55,
+    **extra,
+) -> dict:
+    kwargs = dict(
+        model_path=str(target),
+        skip_tokenizer_init=True,
+        page_size=1,
+        disable_cuda_graph=not cuda_graph,
+        cuda_graph_max_bs=max_running_requests,
+        max_running_requests=max_running_requests,
+        mem_fraction_static=mem_fraction_static,
+        random_seed=0,
+        log_level="warning",
+        **BUNDLE_FLAGS,
+    )
+    if spec is not None:
+        kwargs.update(
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=str(draft),
+            speculative_eagle_topk=spec.topk,
+            speculative_num_steps=spec.num_steps,
+            speculative_num_draft_tokens=spec.num_draft_tokens,
+            disable_overlap_schedule=not spec.overlap,
+        )
+    kwargs.update(extra)
+    return kwargs
+
+
+@contextlib.contextmanager
+def engine(**kwargs) -> Iterator[object]:
+    import sglang as sgl
+
+    eng = sgl.Engine(**kwargs)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def random_prompts(n: int, vocab_size: int, *, min_len: int = 8, max_len: int = 64, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+@dataclass
+class GreedyRun:
+    output_ids: list[list[int]]
+    seconds: float
+    completion_tokens: int
+    verify_count: int = 0
+    meta: list[dict] = field(default_factory=list)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.completion_tokens / self.seconds
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens committed per verify step (drafts + bonus), from the requests' meta_info."""
+        return self.completion_tokens / self.verify_count if self.verify_count else float("nan")
+
+
+def generate(eng, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0) -> GreedyRun:
+    params = dict(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True)
+    tic = time.perf_counter()
+    outs = eng.generate(input_ids=prompts, sampling_params=params)
+    seconds = time.perf_counter() - tic
+    meta = [o["meta_info"] for o in outs]
+    return GreedyRun(
+        output_ids=[list(o["output_ids"]) for o in outs],
+        seconds=seconds,
+        completion_tokens=sum(m["completion_tokens"] for m in meta),
+        verify_count=sum(m.get("spec_verify_ct", 0) for m in meta),
+        meta=meta,
+    )
+
+
+def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
