@@ -6,7 +6,7 @@
 set -uo pipefail
 out=${1:-${OUT:-build/gpu}}; shift || true
 mkdir -p "$out"
-source .gpu-bundle/env.sh
+python3 -c "import sglang" 2>/dev/null && [ -n "${PYTHONPATH:-}" ] || source .gpu-bundle/env.sh
 export SPECPATCH_MODEL_CACHE=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}
 python3 -m pytest test/registered -m gpu -p no:cacheprovider --summary-json "$out/gpu-summary.json" "$@" 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}

@@ -1,0 +1,102 @@
+"""End-to-end tok/s and accept length of speculative configurations on a synthetic pair,
+all measured in one run (one GPU, one process after another), printed side by side.
+
+    python benchmark/spec/bench_e2e.py --preset bench --agreement 0.7 \
+        --configs none,chain,chain-general --batch-sizes 1,8,32 --out results.json [--png plot.png]
+
+Config names: none (no speculation), chain (v2, topk 1, the fast path), chain-general (the same
+with SGLANG_SPEC_CHAIN_FAST_PATH=0), tree (v2, topk 4), tree-v1 (the base's spec v1 fallback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from specpatch import engine as eng  # noqa: E402
+from specpatch import synth  # noqa: E402
+
+CONFIGS = {
+    "none": (None, {}),
+    "chain": (eng.SpecConfig(1, 3, 4), {"SGLANG_SPEC_CHAIN_FAST_PATH": "1"}),
+    "chain-general": (eng.SpecConfig(1, 3, 4), {"SGLANG_SPEC_CHAIN_FAST_PATH": "0"}),
+    "tree": (eng.SpecConfig(4, 3, 8), {}),
+    "tree-v1": (eng.SpecConfig(4, 3, 8, overlap=False), {}),
+}
+
+
+def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: int, vocab: int) -> list[dict]:
+    spec, env = CONFIGS[name]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # read by the engine's scheduler process at start-up
+    rows = []
+    try:
+        with eng.engine(**eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes))) as e:
+            eng.generate(e, eng.random_prompts(4, vocab, seed=99), 16)  # warm-up
+            for bs in batch_sizes:
+                run = eng.generate(e, eng.random_prompts(bs, vocab, seed=bs), max_new_tokens)
+                rows.append({"config": name, "bs": bs, "tok_per_s": run.tok_per_s,
+                             "accept_length": run.accept_length if spec else 1.0})
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="toy")
+    parser.add_argument("--agreement", type=float, default=0.7)
+    parser.add_argument("--configs", default="none,chain,chain-general")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--models", help="directory for the pair (default: a temp dir)")
+    parser.add_argument("--out")
+    parser.add_argument("--png")
+    args = parser.parse_args()
+
+    root = Path(args.models or tempfile.mkdtemp()) / f"{args.preset}-a{args.agreement}"
+    if not (root / "draft" / synth.META).exists():
+        synth.make_pair(root, args.preset, args.agreement, device="cuda")
+    target, draft = root / "target", root / "draft"
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    names = args.configs.split(",")
+    rows = [r for name in names for r in measure(target, draft, name, batch_sizes, args.max_new_tokens, vocab)]
+
+    base = names[0]
+    print(f"preset={args.preset} ({synth.load_meta(target)['num_params'] / 1e9:.2f}B) "
+          f"agreement={synth.load_meta(draft)['agreement']:.2f} max_new_tokens={args.max_new_tokens}")
+    print(f"{'config':>14} {'bs':>4} {'tok/s':>9} {'accept':>7} {'vs ' + base:>10}")
+    for r in rows:
+        ref = next(x for x in rows if x["config"] == base and x["bs"] == r["bs"])
+        r["ratio_vs_" + base] = r["tok_per_s"] / ref["tok_per_s"]
+        print(f"{r['config']:>14} {r['bs']:>4} {r['tok_per_s']:>9.1f} {r['accept_length']:>7.2f} {r['ratio_vs_' + base]:>9.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name in names:
+            pts = [r for r in rows if r["config"] == name]
+            ax.plot([p["bs"] for p in pts], [p["tok_per_s"] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("output tok/s")
+        ax.set_title(f"{args.preset} target, draft agreement {args.agreement}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

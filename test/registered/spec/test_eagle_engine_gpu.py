@@ -1,0 +1,119 @@
+"""GPU smoke tests of the patched sglang on the synthetic pair: EAGLE topk=1 (spec v2) through
+the Engine and through `python -m sglang.launch_server` over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from specpatch import engine as eng
+from specpatch import synth
+
+pytestmark = pytest.mark.gpu
+
+NUM_PROMPTS, MAX_NEW_TOKENS = 32, 128
+CHAIN = eng.SpecConfig(topk=1, num_steps=3, num_draft_tokens=4)
+
+
+def table_continuation(successor, prompt: list[int], n: int) -> list[int]:
+    out, token = [], prompt[-1]
+    for _ in range(n):
+        token = int(successor[token])
+        out.append(token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(toy_pair):
+    vocab = synth.load_meta(toy_pair[0])["spec"]["vocab"]
+    return eng.random_prompts(NUM_PROMPTS, vocab, seed=1)
+
+
+@pytest.fixture(scope="module")
+def no_spec_run(toy_pair, prompts):
+    target, _ = toy_pair
+    with eng.engine(**eng.engine_kwargs(target, None, None)) as e:
+        eng.generate(e, prompts[:4], 8)  # warm-up
+        return eng.generate(e, prompts, MAX_NEW_TOKENS)
+
+
+def test_no_spec_follows_the_bigram_table(toy_pair, prompts, no_spec_run, record_metric):
+    successor = synth.successor_table(toy_pair[0])
+    expected = [table_continuation(successor, p, MAX_NEW_TOKENS) for p in prompts]
+    assert no_spec_run.output_ids == expected
+    record_metric("no_spec_tok_per_s", round(no_spec_run.tok_per_s, 1))
+
+
+def test_eagle_topk1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_run, record_metric):
+    target, draft = toy_pair
+    with eng.engine(**eng.engine_kwargs(target, draft, CHAIN)) as e:
+        eng.generate(e, prompts[:4], 8)
+        run = eng.generate(e, prompts, MAX_NEW_TOKENS)
+    identical = sum(a == b for a, b in zip(run.output_ids, no_spec_run.output_ids))
+    agreement = synth.load_meta(draft)["agreement"]
+    expected_accept = synth.expected_chain_accept_length(agreement, CHAIN.num_steps)
+    record_metric("identical", f"{identical}/{NUM_PROMPTS}")
+    record_metric("accept_length", round(run.accept_length, 3))
+    record_metric("expected_accept_length", round(expected_accept, 3))
+    record_metric("spec_tok_per_s", round(run.tok_per_s, 1))
+    record_metric("no_spec_tok_per_s", round(no_spec_run.tok_per_s, 1))
+    assert identical == NUM_PROMPTS, [eng.first_divergence(a, b) for a, b in zip(run.output_ids, no_spec_run.output_ids)]
+    assert abs(run.accept_length - expected_accept) <= 0.15 * expected_accept
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_http_server_with_eagle(toy_pair, prompts, record_metric):
+    target, draft = toy_pair
+    port = _free_port()
+    kwargs = eng.engine_kwargs(target, draft, CHAIN, enable_metrics=True)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port)]
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value not in (False, None):
+            cmd += [flag, str(value)]
+    server = subprocess.Popen(cmd, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            assert server.poll() is None, "server exited during start-up"
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail("server did not become healthy in 300 s")
+        batch = prompts[:8]
+        resp = requests.post(f"{base}/generate", json={
+            "input_ids": batch,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True},
+        }, timeout=120)
+        resp.raise_for_status()
+        outs = resp.json()
+        successor = synth.successor_table(target)
+        assert [o["output_ids"] for o in outs] == [table_continuation(successor, p, 64) for p in batch]
+        assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+        assert "sglang:spec_accept_length" in metrics
+        accept = [float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("sglang:spec_accept_length")]
+        record_metric("http_spec_accept_length_gauge", accept)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
