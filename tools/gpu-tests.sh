@@ -7,6 +7,10 @@ set -uo pipefail
 out=${1:-${OUT:-build/gpu}}; shift || true
 mkdir -p "$out"
 python3 -c "import sglang" 2>/dev/null && [ -n "${PYTHONPATH:-}" ] || source .gpu-bundle/env.sh
+# Wheels the bundle lacks (tools/stage-extra-wheels.sh): flashinfer.comm imports cuda.tile.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu-site .whl/*.whl 2>&1 | grep -v WARNING
+fi
 export SPECPATCH_MODEL_CACHE=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}
 python3 -m pytest test/registered -m gpu -p no:cacheprovider --summary-json "$out/gpu-summary.json" "$@" 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}

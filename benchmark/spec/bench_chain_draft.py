@@ -69,10 +69,12 @@ def main() -> None:
                                        chain=path == "chain", device="cuda")
             batch = make_forward_batch(bs, args.num_steps, vocab_size=args.vocab, hidden=args.hidden,
                                        device="cuda", dtype=torch.bfloat16)
-            positions = batch.positions.clone()
+            positions, out_cache_loc, hidden = batch.positions.clone(), batch.out_cache_loc, batch.spec_info.hidden_states
 
             def step():
+                # draft_forward advances these in place, as in production (the graph runner restores them too)
                 batch.positions.copy_(positions)
+                batch.out_cache_loc, batch.spec_info.hidden_states = out_cache_loc, hidden
                 return worker.draft_forward(batch)
 
             outputs[path] = [t.clone() for t in step()]

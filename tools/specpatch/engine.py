@@ -38,10 +38,13 @@ def engine_kwargs(
     cuda_graph: bool = True,
     max_running_requests: int = 64,
     mem_fraction_static: float = 0.55,
+    max_total_tokens: int = 1 << 18,
     **extra,
 ) -> dict:
+    # max_total_tokens: a tiny model's KV pool would otherwise fill the GPU, twice with a draft.
     kwargs = dict(
         model_path=str(target),
+        max_total_tokens=max_total_tokens,
         skip_tokenizer_init=True,
         page_size=1,
         disable_cuda_graph=not cuda_graph,

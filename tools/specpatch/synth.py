@@ -1,19 +1,12 @@
-"""Synthetic target/draft model pairs for speculative-decoding tests, made at test time.
+"""Synthetic Llama target + EAGLE draft pair whose greedy answers are known in advance.
 
-Target: a Llama whose greedy next token is a bigram table `successor[token]` with a large
-logit margin. Its residual stream carries the token embedding; lm_head row successor[t] is
-the unit embedding of t, so after the final RMSNorm the right logit is ~LOGIT_PEAK and every
-other is a random-vector cosine of it. All transformer layers have small random weights: they
-read the KV cache and cost a realistic step, but cannot move the argmax. So greedy decoding is
-token-identical across kernels (decode, tree-masked verify) even in bf16, where a random-weight
-model diverges within a few dozen tokens.
+The target is a bigram machine: the greedy next token after `t` is `successor[t]` (a random
+permutation), whatever the prefix, with a logit margin of ~20+ nats. Its transformer layers have
+small random weights: they cost the compute of a real model and read the KV cache, but can never
+move the argmax, so greedy speculative decoding in bf16 must be token-identical to plain decoding.
 
-Draft: an EAGLE head (LlamaForCausalLMEagle). sglang gives it the target's embedding and
-lm_head, computes fc(cat(embed(token), target_hidden)) -> one layer -> hidden + residual (no
-final norm) -> lm_head. Our fc keeps only the embedding half, as A = I + sigma * G / sqrt(h):
-at sigma 0 the draft predicts the table exactly; noise turns a deterministic subset of tokens
-wrong, with the right successor often still among the next choices, so topk > 1 finds it.
-sigma is found by bisection for a requested top-1 agreement.
+The EAGLE draft predicts `successor[t]` from the current token alone, correct on a tunable
+fraction (`agreement`) of the vocabulary, so acceptance lengths are predictable.
 
     python -m specpatch.synth --out DIR --preset toy --agreement 0.7 [--device cuda]
 """
@@ -23,31 +16,37 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-LOGIT_PEAK = 40.0  # target logit of the table's successor, in nats
-LAYER_SCALE = 0.1  # each layer adds ~LAYER_SCALE**2 of the residual's norm: never moves the argmax
-META = "synth_meta.json"
+META_FILE = "synth_meta.json"
+TOPK_LEVELS = (2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
 class TargetSpec:
-    num_layers: int
-    hidden: int
-    intermediate: int
-    num_heads: int
-    num_kv_heads: int
-    vocab: int
+    num_layers: int = 1
+    hidden: int = 256
+    intermediate: int = 512
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab: int = 2048
     seed: int = 0
+    logit_margin: float = 24.0  # nats between successor and runner-up, before the layers' noise
+    layer_gain: float = 0.1  # layer weights ~ N(0, gain^2 / fan_in): outputs ~1% of the residual
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
 
+    @property
     def num_params(self) -> int:
         h, kv = self.hidden, self.num_kv_heads * self.head_dim
         per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate + 2 * h
@@ -55,14 +54,43 @@ class TargetSpec:
 
 
 PRESETS = {
-    "toy": TargetSpec(num_layers=1, hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, vocab=2048),
+    "toy": TargetSpec(),
     "small": TargetSpec(num_layers=4, hidden=512, intermediate=1024, num_heads=8, num_kv_heads=4, vocab=4096),
-    # ~1.4B parameters: a target step that costs what a real 1B model's does.
-    "bench": TargetSpec(num_layers=24, hidden=2048, intermediate=5632, num_heads=16, num_kv_heads=8, vocab=32000),
+    # TinyLlama-like shape with 24 layers and head_dim 128: ~1.21B params.
+    "bench": TargetSpec(num_layers=24, hidden=2048, intermediate=5632, num_heads=16, num_kv_heads=4, vocab=32000),
 }
 
 
-def llama_config(spec: TargetSpec, architecture: str, num_layers: int) -> dict:
+@dataclass
+class TargetInfo:
+    path: Path
+    spec: TargetSpec
+    num_params: int
+    lm_head_scale: float
+    min_embedding_margin: float  # min over tokens of top1 - top2 logit, layers ignored
+
+
+@dataclass
+class DraftInfo:
+    path: Path
+    target_path: Path
+    requested_agreement: float
+    sigma: float
+    agreement: float  # fp32
+    agreement_bf16: float
+    topk_coverage: dict[int, float] = field(default_factory=dict)  # fp32, k -> fraction
+
+
+@dataclass
+class Checkpoint:
+    config: dict
+    weights: dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------- files
+
+
+def _llama_config(spec: TargetSpec, *, architecture: str, num_layers: int) -> dict:
     return {
         "architectures": [architecture],
         "model_type": "llama",
@@ -73,205 +101,330 @@ def llama_config(spec: TargetSpec, architecture: str, num_layers: int) -> dict:
         "num_key_value_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
         "vocab_size": spec.vocab,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
         "hidden_act": "silu",
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "max_position_embeddings": spec.max_position_embeddings,
         "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        # Every token sits on the successor cycle, so any eos id would cut generations short at
+        # a prompt-dependent point; without one, runs stop only at max_new_tokens.
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": "bfloat16",
         "torch_dtype": "bfloat16",
-        "bos_token_id": 0,
-        "eos_token_id": 1,
     }
-
-
-def _small_layer(spec: TargetSpec, prefix: str, g: torch.Generator, device, with_input_norm: bool) -> dict:
-    h, kv, inter = spec.hidden, spec.num_kv_heads * spec.head_dim, spec.intermediate
-    std = LAYER_SCALE / math.sqrt(h)
-
-    def w(rows, cols):
-        return torch.randn(rows, cols, generator=g, device=device) * std
-
-    layer = {
-        f"{prefix}.self_attn.q_proj.weight": w(h, h),
-        f"{prefix}.self_attn.k_proj.weight": w(kv, h),
-        f"{prefix}.self_attn.v_proj.weight": w(kv, h),
-        f"{prefix}.self_attn.o_proj.weight": w(h, h),
-        f"{prefix}.mlp.gate_proj.weight": w(inter, h),
-        f"{prefix}.mlp.up_proj.weight": w(inter, h),
-        f"{prefix}.mlp.down_proj.weight": w(h, inter),
-        f"{prefix}.post_attention_layernorm.weight": torch.ones(h, device=device),
-    }
-    if with_input_norm:
-        layer[f"{prefix}.input_layernorm.weight"] = torch.ones(h, device=device)
-    return layer
-
-
-def target_weights(spec: TargetSpec, device="cpu") -> dict[str, torch.Tensor]:
-    g = torch.Generator(device=device).manual_seed(spec.seed)
-    embed = torch.randn(spec.vocab, spec.hidden, generator=g, device=device)  # [vocab, hidden]
-    successor = torch.randperm(spec.vocab, generator=g, device=device)  # [vocab]
-    unit = embed / embed.norm(dim=-1, keepdim=True)
-    lm_head = torch.empty_like(embed)
-    lm_head[successor] = unit * (LOGIT_PEAK / math.sqrt(spec.hidden))  # RMSNorm output has norm sqrt(h)
-    weights = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head,
-               "model.norm.weight": torch.ones(spec.hidden, device=device)}
-    for i in range(spec.num_layers):
-        weights.update(_small_layer(spec, f"model.layers.{i}", g, device, with_input_norm=True))
-    return weights
 
 
 def _save(out_dir: Path, config: dict, weights: dict[str, torch.Tensor], meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
-    save_file({k: v.to(torch.bfloat16).contiguous().cpu() for k, v in weights.items()},
-              str(out_dir / "model.safetensors"))
-    (out_dir / META).write_text(json.dumps(meta, indent=1))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    cpu = {name: t.to(torch.bfloat16).contiguous().cpu() for name, t in weights.items()}
+    save_file(cpu, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def make_target(out_dir: Path, spec: TargetSpec, device="cpu") -> dict:
-    weights = target_weights(spec, device)
-    meta = {"kind": "target", "spec": asdict(spec), "num_params": spec.num_params(), "logit_peak": LOGIT_PEAK}
-    _save(out_dir, llama_config(spec, "LlamaForCausalLM", spec.num_layers), weights, meta)
-    return meta
+def load_meta(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / META_FILE).read_text())
 
 
-def load_meta(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / META).read_text())
+def load_checkpoint(model_dir: str | Path, *, dtype=torch.float32, device="cpu") -> Checkpoint:
+    model_dir = Path(model_dir)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(file), device=str(device)))
+    config = json.loads((model_dir / "config.json").read_text())
+    return Checkpoint(config, {name: t.to(dtype) for name, t in weights.items()})
 
 
-def successor_table(model_dir: Path, device="cpu") -> torch.Tensor:
-    """[vocab] the target's greedy next token for each token, read back from lm_head."""
-    w = load_file(str(Path(model_dir) / "model.safetensors"), device=str(device))
-    embed, lm_head = w["model.embed_tokens.weight"].float(), w["lm_head.weight"].float()
-    return (embed @ lm_head.t()).argmax(dim=-1)
+def _as_checkpoint(model: str | Path | Checkpoint, dtype, device) -> Checkpoint:
+    if isinstance(model, Checkpoint):
+        return Checkpoint(model.config, {n: t.to(device, dtype) for n, t in model.weights.items()})
+    return load_checkpoint(model, dtype=dtype, device=device)
 
 
-# ---------------------------------------------------------------- draft
-
-def draft_logits(fc_embed: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[n, vocab] the draft's logits for `tokens` ([n]); its layer is small enough to leave out."""
-    return (embed[tokens] @ fc_embed.t()) @ lm_head.t()
+# ---------------------------------------------------------------- generation
 
 
-def draft_stats(fc_embed, embed, lm_head, successor, tokens, ks=(1, 2, 4, 8, 16)) -> dict[int, float]:
-    """Fraction of `tokens` whose true successor is in the draft's top-k, for each k."""
-    top = draft_logits(fc_embed, embed, lm_head, tokens).topk(max(ks), dim=-1).indices
-    hit = top == successor[tokens].unsqueeze(-1)
-    return {k: hit[:, :k].any(dim=-1).float().mean().item() for k in ks}
+def _small_layer(spec: TargetSpec, prefix: str, gain: float, gen: torch.Generator, device) -> dict:
+    h, kv, inter = spec.hidden, spec.num_kv_heads * spec.head_dim, spec.intermediate
 
+    def weight(out_features: int, in_features: int) -> torch.Tensor:  # [out, in]
+        w = torch.randn(out_features, in_features, generator=gen, device=device)
+        return (w * (gain / math.sqrt(in_features))).to(torch.bfloat16)
 
-def calibrate_sigma(embed, lm_head, successor, noise, agreement: float, tokens, iters: int = 30) -> float:
-    """Bisect sigma (log scale) so that top-1 agreement over `tokens` is about `agreement`."""
-    eye = torch.eye(embed.shape[1], device=embed.device)
-    hidden = embed.shape[1]
+    def ones() -> torch.Tensor:  # separate tensors: safetensors refuses shared storage
+        return torch.ones(h, device=device, dtype=torch.bfloat16)
 
-    def top1(sigma: float) -> float:
-        return draft_stats(eye + sigma * noise / math.sqrt(hidden), embed, lm_head, successor, tokens, ks=(1,))[1]
-
-    if agreement >= top1(0.0):
-        return 0.0
-    lo, hi = 1e-3, 1e3
-    for _ in range(iters):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if top1(mid) > agreement else (lo, mid)
-    return math.sqrt(lo * hi)
-
-
-def make_eagle_draft(out_dir: Path, target_dir: Path, agreement: float, seed: int = 1, device="cpu",
-                     calibration_tokens: int = 4096) -> dict:
-    if not 0.0 <= agreement <= 1.0:
-        raise ValueError(f"agreement must be in [0, 1], got {agreement}")
-    target_meta = load_meta(target_dir)
-    spec = TargetSpec(**target_meta["spec"])
-    w = load_file(str(Path(target_dir) / "model.safetensors"), device=str(device))
-    embed, lm_head = w["model.embed_tokens.weight"].float(), w["lm_head.weight"].float()
-    successor = (embed @ lm_head.t()).argmax(dim=-1)
-    g = torch.Generator(device=device).manual_seed(seed)
-    noise = torch.randn(spec.hidden, spec.hidden, generator=g, device=device)  # [hidden, hidden]
-    tokens = torch.randperm(spec.vocab, generator=g, device=device)[:calibration_tokens]
-    sigma = calibrate_sigma(embed, lm_head, successor, noise, agreement, tokens)
-    fc_embed = torch.eye(spec.hidden, device=device) + sigma * noise / math.sqrt(spec.hidden)
-    coverage = draft_stats(fc_embed, embed, lm_head, successor, tokens)
-
-    weights = {
-        # fc: [hidden, 2 * hidden] over cat(token embedding, target hidden); the hidden half is zero.
-        "fc.weight": torch.cat([fc_embed, torch.zeros_like(fc_embed)], dim=1),
-        "fc.bias": torch.zeros(spec.hidden, device=device),
-        "embed_tokens.weight": embed,  # replaced by the target's at load; kept so nothing is uninitialized
+    return {
+        f"{prefix}.input_layernorm.weight": ones(),
+        f"{prefix}.self_attn.q_proj.weight": weight(h, h),
+        f"{prefix}.self_attn.k_proj.weight": weight(kv, h),
+        f"{prefix}.self_attn.v_proj.weight": weight(kv, h),
+        f"{prefix}.self_attn.o_proj.weight": weight(h, h),
+        f"{prefix}.post_attention_layernorm.weight": ones(),
+        f"{prefix}.mlp.gate_proj.weight": weight(inter, h),
+        f"{prefix}.mlp.up_proj.weight": weight(inter, h),
+        f"{prefix}.mlp.down_proj.weight": weight(h, inter),
     }
-    weights.update(_small_layer(spec, "layers.0", g, device, with_input_norm=False))  # layer 0 skips input norm
-    meta = {"kind": "eagle_draft", "target_spec": asdict(spec), "requested_agreement": agreement,
-            "sigma": sigma, "agreement": coverage[1], "topk_coverage": {str(k): v for k, v in coverage.items()}}
-    _save(out_dir, llama_config(spec, "LlamaForCausalLMEagle", 1), weights, meta)
-    return meta
 
 
-def expected_chain_accept_length(agreement: float, num_steps: int) -> float:
-    """Mean tokens per verify (drafts + bonus) when each draft is right with prob `agreement`."""
-    return sum(agreement**i for i in range(num_steps + 1))
+def _top_tokens(hidden: torch.Tensor, lm_head: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
+    """hidden [n, h], lm_head [vocab, h] -> top-k token ids [n, k]; chunked: vocab^2 logits can be GBs."""
+    return torch.cat([(hidden[i : i + chunk] @ lm_head.T).topk(k, dim=-1).indices for i in range(0, len(hidden), chunk)])
 
 
-def make_pair(out_root: Path, preset: str = "toy", agreement: float = 0.7, device="cpu") -> tuple[Path, Path]:
+def _logit_margins(hidden: torch.Tensor, lm_head: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """hidden [n, h] -> top1 - top2 logit [n]."""
+    parts = []
+    for i in range(0, len(hidden), chunk):
+        top2 = (hidden[i : i + chunk] @ lm_head.T).topk(2, dim=-1).values
+        parts.append(top2[:, 0] - top2[:, 1])
+    return torch.cat(parts)
+
+
+def _unit_rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+
+
+def successor_from_weights(embed: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """The target's greedy successor table [vocab], read off embed [vocab, h] and lm_head [vocab, h]."""
+    return _top_tokens(_unit_rms(embed.float()), lm_head.float(), 1)[:, 0]
+
+
+def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu") -> TargetInfo:
+    out_dir = Path(out_dir)
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    h = spec.hidden
+    successor = torch.randperm(spec.vocab, generator=gen, device=device)  # [vocab]
+    embed = torch.randn(spec.vocab, h, generator=gen, device=device).to(torch.bfloat16)  # [vocab, h]
+    # After the final RMSNorm the hidden is ~E[t] at norm sqrt(h): the successor's logit is
+    # ~scale*sqrt(h) and every other row is a random projection ~scale*N(0,1), whose max over the
+    # vocab stays below ~5 sigma. So this scale gives about `logit_margin` nats.
+    assert math.sqrt(h) > 8, "hidden too small for a large margin"
+    scale = spec.logit_margin / (math.sqrt(h) - 5.0)
+    lm_head = torch.empty(spec.vocab, h, device=device)  # [vocab, h]
+    lm_head[successor] = scale * F.normalize(embed.float(), dim=-1)
+    lm_head = lm_head.to(torch.bfloat16)
+
+    weights = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+    for i in range(spec.num_layers):
+        weights |= _small_layer(spec, f"model.layers.{i}", spec.layer_gain, gen, device)
+    weights["model.norm.weight"] = torch.ones(h, device=device, dtype=torch.bfloat16)
+
+    assert torch.equal(successor_from_weights(embed, lm_head), successor)
+    min_margin = _logit_margins(_unit_rms(embed.float()), lm_head.float()).min().item()
+    meta = {
+        "kind": "target",
+        "spec": asdict(spec),
+        "num_params": spec.num_params,
+        "lm_head_scale": scale,
+        "min_embedding_margin": min_margin,
+        "generated_on": str(torch.device(device).type),  # CPU and CUDA generators differ
+    }
+    _save(out_dir, _llama_config(spec, architecture="LlamaForCausalLM", num_layers=spec.num_layers), weights, meta)
+    return TargetInfo(out_dir, spec, spec.num_params, scale, min_margin)
+
+
+def _draft_fc_embed_half(noise: torch.Tensor, sigma: float) -> torch.Tensor:
+    """A = I + sigma * G / sqrt(h) [h, h], rounded to bf16 as it will be stored."""
+    h = noise.shape[0]
+    eye = torch.eye(h, device=noise.device)
+    return (eye + sigma * noise / math.sqrt(h)).to(torch.bfloat16)
+
+
+def draft_hits(embed, lm_head, successor, fc_a, *, k: int = 1, dtype=torch.float32) -> torch.Tensor:
+    """For every token t, is successor[t] within the top-k of lm_head @ (A E[t])? -> [vocab, k] bool,
+    column j = rank j. This is the draft's prediction with its (tiny) decoder layer left out."""
+    hidden = embed.to(dtype) @ fc_a.to(dtype).T  # [vocab, h]
+    return _top_tokens(hidden, lm_head.to(dtype), k) == successor[:, None]
+
+
+def make_eagle_draft(
+    out_dir: str | Path,
+    target_dir: str | Path,
+    *,
+    agreement: float,
+    seed: int = 1,
+    device="cpu",
+    tolerance: float = 0.01,
+    layer_gain: float = 0.02,
+) -> DraftInfo:
+    assert 0.0 <= agreement <= 1.0
+    out_dir, target_dir = Path(out_dir), Path(target_dir)
+    spec = TargetSpec(**load_meta(target_dir)["spec"])
+    target = load_checkpoint(target_dir, dtype=torch.float32, device=device)
+    embed = target.weights["model.embed_tokens.weight"]  # [vocab, h]
+    lm_head = target.weights["lm_head.weight"]  # [vocab, h]
+    successor = successor_from_weights(embed, lm_head)  # [vocab]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    noise = torch.randn(spec.hidden, spec.hidden, generator=gen, device=device)  # G [h, h]
+
+    def measured(sigma: float) -> float:
+        fc_a = _draft_fc_embed_half(noise, sigma).float()
+        return draft_hits(embed, lm_head, successor, fc_a)[:, 0].float().mean().item()
+
+    # Agreement falls from 1 (sigma 0) towards 1/vocab as the noise swamps E[t]; it is not
+    # strictly monotone for a fixed G, but close enough for bisection to land within tolerance.
+    sigma, got = 0.0, measured(0.0)
+    if abs(got - agreement) > tolerance:
+        lo, hi = 0.0, 1.0
+        while (got := measured(hi)) > agreement + tolerance and hi < 2.0**20:
+            lo, hi = hi, hi * 2
+        sigma = hi
+        for _ in range(60):
+            if abs(got - agreement) <= tolerance:
+                break
+            sigma = (lo + hi) / 2
+            got = measured(sigma)
+            lo, hi = (sigma, hi) if got > agreement else (lo, sigma)
+
+    fc_a = _draft_fc_embed_half(noise, sigma)  # [h, h] bf16
+    hits = draft_hits(embed, lm_head, successor, fc_a.float(), k=max(TOPK_LEVELS))
+    hits_bf16 = draft_hits(embed, lm_head, successor, fc_a, dtype=torch.bfloat16)
+    coverage = {k: hits[:, :k].any(-1).float().mean().item() for k in TOPK_LEVELS}
+    info = DraftInfo(out_dir, target_dir, agreement, sigma, hits[:, 0].float().mean().item(),
+                     hits_bf16[:, 0].float().mean().item(), coverage)
+
+    h = spec.hidden
+    # Names as sglang's LlamaForCausalLMEagle.load_weights wants them: it prefixes "model." to
+    # everything, drops lm_head.* (the target's head replaces it), and has no params for
+    # layers.0.input_layernorm (deleted for layer 0) or a final norm, so those are left out.
+    # embed_tokens is overwritten by the target's at load, but keeps the draft usable alone.
+    layer = _small_layer(spec, "layers.0", layer_gain, gen, device)
+    del layer["layers.0.input_layernorm.weight"]
+    weights = {
+        "embed_tokens.weight": embed.to(torch.bfloat16),
+        # fc sees cat(embed(token), target_hidden); the zero half makes the draft a function of
+        # the current token only, so its accuracy is exactly the table measured above.
+        "fc.weight": torch.cat([fc_a, torch.zeros(h, h, device=device, dtype=torch.bfloat16)], dim=1),
+        "fc.bias": torch.zeros(h, device=device, dtype=torch.bfloat16),
+        **layer,
+    }
+    meta = {
+        "kind": "eagle_draft",
+        "target_dir": str(target_dir),
+        "seed": seed,
+        "layer_gain": layer_gain,
+        "requested_agreement": agreement,
+        "sigma": sigma,
+        "agreement": info.agreement,
+        "agreement_bf16": info.agreement_bf16,
+        "topk_coverage": {str(k): v for k, v in coverage.items()},
+        "expected_chain_accept_length": {
+            str(n): expected_chain_accept_length(info.agreement, n) for n in range(1, 9)
+        },
+        "generated_on": str(torch.device(device).type),
+    }
+    _save(out_dir, _llama_config(spec, architecture="LlamaForCausalLMEagle", num_layers=1), weights, meta)
+    return info
+
+
+def make_pair(
+    out_root: str | Path, preset: str = "toy", agreement: float = 0.7, *, seed: int = 0, device="cpu"
+) -> tuple[TargetInfo, DraftInfo]:
+    """-> out_root/target and out_root/eagle_draft."""
     out_root = Path(out_root)
-    target, draft = out_root / "target", out_root / "draft"
-    make_target(target, PRESETS[preset], device)
-    make_eagle_draft(draft, target, agreement, device=device)
+    spec = TargetSpec(**{**asdict(PRESETS[preset]), "seed": seed})
+    target = make_target(out_root / "target", spec, device=device)
+    draft = make_eagle_draft(out_root / "eagle_draft", target.path, agreement=agreement, seed=seed + 1, device=device)
     return target, draft
 
 
-# ---------------------------------------------------------------- reference forward
-
-def _rms_norm(x, weight, eps=1e-5):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def _rope(x, positions, theta=10000.0):
-    # x: [seq, heads, head_dim]; HF Llama rotates the two halves of each head.
-    half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    angles = positions[:, None].float() * freqs[None, :]  # [seq, half]
-    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+def expected_chain_accept_length(agreement: float, num_steps: int) -> float:
+    """Tokens per verify for a chain of num_steps drafts, each right with prob `agreement`
+    independently: the bonus token plus the accepted prefix."""
+    return sum(agreement**i for i in range(num_steps + 1))
 
 
-def reference_target_logits(model_dir: Path, input_ids: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    """[seq, vocab] logits of the target for one sequence `input_ids` ([seq]), in plain torch."""
-    spec = TargetSpec(**load_meta(model_dir)["spec"])
-    w = {k: v.to(dtype) for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
-    seq, hd = input_ids.shape[0], spec.head_dim
-    positions = torch.arange(seq)
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    x = w["model.embed_tokens.weight"][input_ids]
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}"
-        h = _rms_norm(x, w[f"{p}.input_layernorm.weight"])
-        q = _rope((h @ w[f"{p}.self_attn.q_proj.weight"].t()).view(seq, spec.num_heads, hd), positions)
-        k = _rope((h @ w[f"{p}.self_attn.k_proj.weight"].t()).view(seq, spec.num_kv_heads, hd), positions)
-        v = (h @ w[f"{p}.self_attn.v_proj.weight"].t()).view(seq, spec.num_kv_heads, hd)
-        groups = spec.num_heads // spec.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
-        attn = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-        x = x + torch.einsum("hqk,khd->qhd", attn, v).reshape(seq, -1) @ w[f"{p}.self_attn.o_proj.weight"].t()
-        h = _rms_norm(x, w[f"{p}.post_attention_layernorm.weight"])
-        gate, up = h @ w[f"{p}.mlp.gate_proj.weight"].t(), h @ w[f"{p}.mlp.up_proj.weight"].t()
-        x = x + (torch.nn.functional.silu(gate) * up) @ w[f"{p}.mlp.down_proj.weight"].t()
-    return (_rms_norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].t()).float()
+# ---------------------------------------------------------------- plain-torch reference
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--preset", default="toy", choices=sorted(PRESETS))
-    parser.add_argument("--agreement", type=float, default=0.7)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
-    target, draft = make_pair(Path(args.out), args.preset, args.agreement, args.device)
-    print(f"target: {target} ({load_meta(target)['num_params'] / 1e9:.2f}B params)")
-    meta = load_meta(draft)
-    print(f"draft:  {draft} (sigma {meta['sigma']:.3f}, top-1 agreement {meta['agreement']:.3f}, "
-          f"top-k coverage {meta['topk_coverage']})")
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()  # as HF: normalize in fp32, round, then scale
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [b, heads, s, d], positions [s]; neox style (rotate halves), as HF Llama and sglang."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    angles = positions.float()[:, None] * inv_freq  # [s, d/2]
+    cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _decoder_layer(x: torch.Tensor, w: dict, prefix: str, cfg: dict, positions, *, input_norm: bool = True):
+    """x [b, s, h] -> [b, s, h]: pre-norm attention + SwiGLU MLP, both residual."""
+    b, s, _ = x.shape
+    nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps = cfg["rms_norm_eps"]
+    a = _rms_norm(x, w[f"{prefix}.input_layernorm.weight"], eps) if input_norm else x
+    q = (a @ w[f"{prefix}.self_attn.q_proj.weight"].T).view(b, s, nh, d).transpose(1, 2)
+    k = (a @ w[f"{prefix}.self_attn.k_proj.weight"].T).view(b, s, nkv, d).transpose(1, 2)
+    v = (a @ w[f"{prefix}.self_attn.v_proj.weight"].T).view(b, s, nkv, d).transpose(1, 2)
+    q, k = _rope(q, positions, cfg["rope_theta"]), _rope(k, positions, cfg["rope_theta"])
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [b, nh, s, d]
+    x = x + attn.transpose(1, 2).reshape(b, s, nh * d) @ w[f"{prefix}.self_attn.o_proj.weight"].T
+    m = _rms_norm(x, w[f"{prefix}.post_attention_layernorm.weight"], eps)
+    gate, up = m @ w[f"{prefix}.mlp.gate_proj.weight"].T, m @ w[f"{prefix}.mlp.up_proj.weight"].T
+    return x + (F.silu(gate) * up) @ w[f"{prefix}.mlp.down_proj.weight"].T
+
+
+def reference_target_logits(model: str | Path | Checkpoint, input_ids: torch.Tensor, *, dtype=torch.float32):
+    """Llama forward. input_ids [b, s] -> logits [b, s, vocab]."""
+    ckpt = _as_checkpoint(model, dtype, input_ids.device)
+    cfg, w = ckpt.config, ckpt.weights
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    x = w["model.embed_tokens.weight"][input_ids]  # [b, s, h]
+    for i in range(cfg["num_hidden_layers"]):
+        x = _decoder_layer(x, w, f"model.layers.{i}", cfg, positions)
+    return _rms_norm(x, w["model.norm.weight"], cfg["rms_norm_eps"]) @ w["lm_head.weight"].T
+
+
+def reference_draft_logits(
+    draft: str | Path | Checkpoint,
+    target: str | Path | Checkpoint,
+    input_ids: torch.Tensor,
+    target_hidden: torch.Tensor | None = None,
+    *,
+    dtype=torch.float32,
+):
+    """sglang's LlamaForCausalLMEagle with the target's embed/lm_head swapped in.
+    input_ids [b, s], target_hidden [b, s, h] (zeros if None) -> logits [b, s, vocab]."""
+    device = input_ids.device
+    d, t = _as_checkpoint(draft, dtype, device), _as_checkpoint(target, dtype, device)
+    embed = t.weights["model.embed_tokens.weight"][input_ids]  # [b, s, h]
+    if target_hidden is None:
+        target_hidden = torch.zeros_like(embed)
+    x = torch.cat([embed, target_hidden.to(dtype)], -1) @ d.weights["fc.weight"].T + d.weights["fc.bias"]
+    # Layer 0 skips its input norm, and no final norm follows: the layer's residual sum goes
+    # straight into the lm_head.
+    positions = torch.arange(input_ids.shape[1], device=device)
+    x = _decoder_layer(x, d.weights, "layers.0", d.config, positions, input_norm=False)
+    return x @ t.weights["lm_head.weight"].T
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specpatch.synth", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="writes OUT/target and OUT/eagle_draft")
+    p.add_argument("--preset", default="toy", choices=sorted(PRESETS))
+    p.add_argument("--agreement", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    target, draft = make_pair(args.out, args.preset, args.agreement, seed=args.seed, device=args.device)
+    print(f"target: {target.path}  params={target.num_params:,}  min_margin={target.min_embedding_margin:.1f}")
+    print(f"draft:  {draft.path}  sigma={draft.sigma:.4g}  agreement={draft.agreement:.4f}"
+          f"  agreement_bf16={draft.agreement_bf16:.4f}  "
+          + "  ".join(f"top{k}={v:.4f}" for k, v in draft.topk_coverage.items()))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Synthetic model pairs: tunable draft agreement, large target margins, valid HF checkpoints."""
+"""Synthetic model pairs (specpatch.synth): tunable draft agreement, large target margins,
+valid HF Llama checkpoints, and the weight names sglang's loaders expect."""
 
 from __future__ import annotations
 
@@ -12,96 +13,156 @@ from safetensors import safe_open
 from specpatch import synth
 
 
+def _names(model_dir: Path) -> set[str]:
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def _successor(model_dir: Path) -> torch.Tensor:  # [vocab]
+    w = synth.load_checkpoint(model_dir).weights
+    return synth.successor_from_weights(w["model.embed_tokens.weight"], w["lm_head.weight"])
+
+
 @pytest.fixture(scope="module")
 def toy_target(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("toy") / "target"
-    synth.make_target(out, synth.PRESETS["toy"])
-    return out
+    return synth.make_target(tmp_path_factory.mktemp("toy") / "target", synth.PRESETS["toy"]).path
+
+
+@pytest.fixture(scope="module")
+def toy_draft(toy_target) -> Path:
+    return synth.make_eagle_draft(toy_target.parent / "eagle_draft", toy_target, agreement=0.7).path
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory) -> Path:
+    return synth.make_target(tmp_path_factory.mktemp("small") / "target", synth.PRESETS["small"]).path
 
 
 @pytest.mark.parametrize("agreement", [0.0, 0.5, 0.7, 1.0])
 def test_draft_agreement_is_tunable(toy_target, tmp_path, agreement):
-    meta = synth.make_eagle_draft(tmp_path / "draft", toy_target, agreement)
-    if agreement == 0.0:
-        assert meta["agreement"] <= 0.03
-    else:
-        assert abs(meta["agreement"] - agreement) <= 0.03
-    coverage = [meta["topk_coverage"][k] for k in ("1", "2", "4", "8", "16")]
-    assert coverage == sorted(coverage)  # a wider tree never finds less
+    info = synth.make_eagle_draft(tmp_path / "draft", toy_target, agreement=agreement)
+    for measured in (info.agreement, info.agreement_bf16):
+        if agreement == 0.0:  # chance level is 1/vocab; "~0" means at most 3% right
+            assert measured <= 0.03
+        else:
+            assert abs(measured - agreement) <= 0.03
+    assert info.topk_coverage[4] >= info.agreement
+    coverage = [info.topk_coverage[k] for k in synth.TOPK_LEVELS]
+    assert coverage == sorted(coverage)
     if 0.0 < agreement < 1.0:
-        assert meta["topk_coverage"]["4"] >= agreement + 0.1  # topk > 1 has something to find
+        assert info.topk_coverage[4] >= agreement + 0.1  # tree drafting has something to find
+    meta = synth.load_meta(tmp_path / "draft")
+    assert meta["requested_agreement"] == agreement and meta["agreement"] == info.agreement
+    assert meta["sigma"] == info.sigma and (info.sigma == 0.0) == (agreement == 1.0)
 
 
-def test_agreement_measured_on_the_saved_bf16_weights(toy_target, tmp_path):
-    meta = synth.make_eagle_draft(tmp_path / "draft", toy_target, 0.7)
-    with safe_open(str(tmp_path / "draft" / "model.safetensors"), "pt") as f:
-        fc = f.get_tensor("fc.weight").float()
-    with safe_open(str(toy_target / "model.safetensors"), "pt") as f:
-        embed, lm_head = f.get_tensor("model.embed_tokens.weight").float(), f.get_tensor("lm_head.weight").float()
-    hidden = embed.shape[1]
-    assert torch.count_nonzero(fc[:, hidden:]) == 0  # the draft ignores the target hidden state
-    tokens = torch.arange(embed.shape[0])
-    successor = synth.successor_table(toy_target)
-    bf16_agreement = synth.draft_stats(fc[:, :hidden], embed, lm_head, successor, tokens, ks=(1,))[1]
-    assert abs(bf16_agreement - meta["agreement"]) <= 0.03
+def test_reference_draft_matches_the_measured_table(toy_target, toy_draft):
+    """The full draft (fc + tiny decoder layer, on real sequences with a random target hidden)
+    predicts what the fc-only table says, so the measured agreement is what engines will see."""
+    target = synth.load_checkpoint(toy_target)
+    embed, lm_head = target.weights["model.embed_tokens.weight"], target.weights["lm_head.weight"]
+    fc = synth.load_checkpoint(toy_draft).weights["fc.weight"]  # [h, 2h]
+    h = embed.shape[1]
+    table = synth._top_tokens(embed @ fc[:, :h].T, lm_head, 1)[:, 0]  # [vocab]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, embed.shape[0], (8, 64), generator=g)
+    hidden = torch.randn(8, 64, h, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        pred = synth.reference_draft_logits(toy_draft, toy_target, ids, hidden, dtype=dtype).argmax(-1)
+        assert (pred == table[ids]).float().mean() >= 0.99
+    right = (table[ids] == _successor(toy_target)[ids]).float().mean()
+    assert abs(right - synth.load_meta(toy_draft)["agreement"]) <= 0.06  # 512 samples of p=0.7
 
 
-def test_target_greedy_margin_is_large_in_bf16(toy_target):
-    successor = synth.successor_table(toy_target)
+@pytest.mark.parametrize("preset", ["toy", "small"])
+def test_target_greedy_margin_is_large_in_bf16(toy_target, small_target, preset):
+    model_dir = {"toy": toy_target, "small": small_target}[preset]
+    ckpt = synth.load_checkpoint(model_dir, dtype=torch.bfloat16)
+    successor = _successor(model_dir)
     g = torch.Generator().manual_seed(0)
-    for length in (1, 7, 64):
-        ids = torch.randint(0, synth.PRESETS["toy"].vocab, (length,), generator=g)
-        logits = synth.reference_target_logits(toy_target, ids)  # [seq, vocab]
-        assert torch.equal(logits.argmax(-1), successor[ids])
+    for length in (1, 2, 7, 33, 64):
+        ids = torch.randint(0, synth.PRESETS[preset].vocab, (4, length), generator=g)
+        logits = synth.reference_target_logits(ckpt, ids, dtype=torch.bfloat16).float()  # [4, length, vocab]
+        assert torch.equal(logits.argmax(-1), successor[ids])  # every position, not just the last
         top2 = logits.topk(2, dim=-1).values
-        assert (top2[:, 0] - top2[:, 1]).min() >= 10.0
+        assert (top2[..., 0] - top2[..., 1]).min() >= 10.0
 
 
-def test_checkpoint_is_a_valid_hf_llama_with_the_same_greedy_tokens(toy_target):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.LlamaForCausalLM.from_pretrained(toy_target, torch_dtype=torch.float32).eval()
-    successor = synth.successor_table(toy_target)
-    prompt = torch.tensor([[5, 17, 300, 42]])
+def test_transformers_loads_it_and_agrees(toy_target):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(toy_target, dtype=torch.float32).eval()
+    assert set(model.state_dict()) == _names(toy_target)  # exactly the HF Llama names
+    successor = _successor(toy_target)
+    prompt = torch.tensor([[5, 17, 300, 42], [1, 2, 3, 2047]])
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
-    generated = out[0, prompt.shape[1]:].tolist()
-    expected, token = [], prompt[0, -1].item()
-    for _ in range(24):
-        token = successor[token].item()
-        expected.append(token)
-    assert generated == expected
+        out = model.generate(prompt, max_new_tokens=24, do_sample=False)
+        hf_logits = model(prompt).logits  # [2, 4, vocab]
+    assert out.shape == (2, 28)  # no eos: nothing stops early
+    for row in out:
+        chain = row[3:]
+        assert torch.equal(chain[1:], successor[chain[:-1]])
+    torch.testing.assert_close(synth.reference_target_logits(toy_target, prompt), hf_logits, atol=2e-3, rtol=1e-3)
 
 
-def test_reference_forward_matches_transformers(toy_target):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.LlamaForCausalLM.from_pretrained(toy_target, torch_dtype=torch.float32).eval()
-    ids = torch.randint(0, synth.PRESETS["toy"].vocab, (33,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        hf = model(ids[None]).logits[0]
-    ours = synth.reference_target_logits(toy_target, ids, dtype=torch.float32)
-    torch.testing.assert_close(ours, hf, atol=2e-3, rtol=1e-3)
+def test_configs_have_what_sglang_reads(toy_target, toy_draft):
+    from transformers import AutoConfig
+
+    spec = synth.PRESETS["toy"]
+    for model_dir, arch, layers in ((toy_target, "LlamaForCausalLM", 1), (toy_draft, "LlamaForCausalLMEagle", 1)):
+        raw = json.loads((model_dir / "config.json").read_text())
+        assert raw["architectures"] == [arch] and raw["model_type"] == "llama"
+        assert raw["tie_word_embeddings"] is False and raw["torch_dtype"] == "bfloat16"
+        assert raw["max_position_embeddings"] >= 4096
+        cfg = AutoConfig.from_pretrained(model_dir)  # what sglang's get_config does
+        assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (spec.hidden, spec.intermediate, layers)
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (4, 2, spec.vocab)
+        assert cfg.rope_parameters["rope_theta"] == spec.rope_theta and cfg.eos_token_id is None
 
 
-def test_checkpoint_names_match_what_sglang_loads(toy_target, tmp_path):
-    synth.make_eagle_draft(tmp_path / "draft", toy_target, 0.7)
-    config = json.loads((tmp_path / "draft" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["num_hidden_layers"] == 1
-    with safe_open(str(tmp_path / "draft" / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-    # LlamaForCausalLMEagle.load_weights prefixes "model." and skips lm_head (shared from the
-    # target); layer 0 has no input_layernorm; params missing from a checkpoint stay uninitialized,
-    # so every parameter of the eagle LlamaModel must be present.
-    layer = {f"layers.0.{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                                              "mlp.down_proj", "post_attention_layernorm")}
-    assert names == layer | {"fc.weight", "fc.bias", "embed_tokens.weight"}
+def test_draft_weight_names_are_what_sglang_eagle_loads(toy_draft):
+    # From sglang/srt/models/llama_eagle.py (0.5.12.post1): load_weights drops names containing
+    # "lm_head" and prefixes the rest with "model."; LlamaModel there has embed_tokens, layers.N
+    # and fc (Linear with bias) and no final norm; layer 0 deletes input_layernorm. Every name
+    # below maps to a parameter (q/k/v and gate/up via the stacked mapping), none is left over.
+    layer = {f"layers.0.{n}.weight" for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm")}
+    assert _names(toy_draft) == layer | {"fc.weight", "fc.bias", "embed_tokens.weight"}
+    w = synth.load_checkpoint(toy_draft).weights
+    h = synth.PRESETS["toy"].hidden
+    assert w["fc.weight"].shape == (h, 2 * h) and torch.count_nonzero(w["fc.weight"][:, h:]) == 0
+    assert torch.count_nonzero(w["fc.bias"]) == 0
+    assert all(torch.count_nonzero(t) > 0 for n, t in w.items() if n.startswith("layers."))  # KV really used
 
 
-def test_expected_chain_accept_length():
+def test_meta_and_accept_length(toy_target, toy_draft):
+    meta = synth.load_meta(toy_target)
+    assert meta["spec"]["seed"] == 0 and meta["num_params"] == synth.PRESETS["toy"].num_params
+    assert meta["min_embedding_margin"] >= 20
+    draft_meta = synth.load_meta(toy_draft)
+    a = draft_meta["agreement"]
+    assert draft_meta["expected_chain_accept_length"]["3"] == pytest.approx(1 + a + a * a + a**3)
     assert synth.expected_chain_accept_length(1.0, 3) == 4
     assert synth.expected_chain_accept_length(0.0, 3) == 1
     assert synth.expected_chain_accept_length(0.5, 2) == pytest.approx(1.75)
 
 
-def test_bench_preset_is_at_least_1b_parameters():
-    assert synth.PRESETS["bench"].num_params() >= 1_000_000_000
+def test_bench_preset_is_at_least_1b_params():
+    spec = synth.PRESETS["bench"]
+    assert spec.num_params >= 1_000_000_000 and spec.num_layers >= 24
+    with torch.device("meta"):  # count against transformers' own Llama without allocating
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**{
+            k: v for k, v in synth._llama_config(spec, architecture="LlamaForCausalLM",
+                                                 num_layers=spec.num_layers).items()
+            if k not in ("architectures", "model_type", "dtype", "torch_dtype")}))
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params
+
+
+def test_cli_writes_both_dirs(tmp_path, capsys):
+    synth.main(["--out", str(tmp_path), "--preset", "toy", "--agreement", "0.7"])
+    printed = capsys.readouterr().out
+    assert str(tmp_path / "target") in printed and str(tmp_path / "eagle_draft") in printed
+    assert (tmp_path / "target" / "config.json").exists() and (tmp_path / "eagle_draft" / "synth_meta.json").exists()

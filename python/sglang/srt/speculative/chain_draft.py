@@ -98,7 +98,7 @@ class ChainDraft:
         """
         bs = first_tokens.shape[0]
         tokens = self.tokens_by_step[:, :bs]
-        tokens[0].copy_(first_tokens.view(-1))
+        tokens[0].copy_(first_tokens.reshape(-1))
         # The last token needs no forward: the first came from draft-extend.
         for i in range(self.num_steps - 1):
             logits_output = step_forward(i, tokens[i], hidden_states)
