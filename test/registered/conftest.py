@@ -24,6 +24,11 @@ from specpatch import cudastub  # noqa: E402
 CUDA_STUB = cudastub.preload()  # "driver" on a GPU host
 
 
+@pytest.fixture(scope="session")
+def cuda_stub() -> str:
+    return CUDA_STUB
+
+
 def _cuda_available() -> bool:
     import torch
 

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-META_FILE = "synth_meta.json"
+META = "synth_meta.json"
 TOPK_LEVELS = (2, 4, 8, 16)
+_EMBED_AND_HEAD = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
@@ -124,20 +126,23 @@ def _save(out_dir: Path, config: dict, weights: dict[str, torch.Tensor], meta: d
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     cpu = {name: t.to(torch.bfloat16).contiguous().cpu() for name, t in weights.items()}
     save_file(cpu, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    # Written last: callers treat an existing meta file as "this dir is complete" and reuse it.
+    (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def load_meta(model_dir: str | Path) -> dict:
-    return json.loads((Path(model_dir) / META_FILE).read_text())
+    return json.loads((Path(model_dir) / META).read_text())
 
 
-def load_checkpoint(model_dir: str | Path, *, dtype=torch.float32, device="cpu") -> Checkpoint:
+def load_checkpoint(model_dir: str | Path, *, dtype=torch.float32, device="cpu", names=None) -> Checkpoint:
+    """All *.safetensors of a dir, or only `names` (the bench target is GBs; most uses need two)."""
     model_dir = Path(model_dir)
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
-        weights.update(load_file(str(file), device=str(device)))
+        with safe_open(str(file), "pt", device=str(device)) as f:
+            weights |= {n: f.get_tensor(n).to(dtype) for n in f.keys() if names is None or n in names}
     config = json.loads((model_dir / "config.json").read_text())
-    return Checkpoint(config, {name: t.to(dtype) for name, t in weights.items()})
+    return Checkpoint(config, weights)
 
 
 def _as_checkpoint(model: str | Path | Checkpoint, dtype, device) -> Checkpoint:
@@ -172,18 +177,11 @@ def _small_layer(spec: TargetSpec, prefix: str, gain: float, gen: torch.Generato
     }
 
 
-def _top_tokens(hidden: torch.Tensor, lm_head: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
-    """hidden [n, h], lm_head [vocab, h] -> top-k token ids [n, k]; chunked: vocab^2 logits can be GBs."""
-    return torch.cat([(hidden[i : i + chunk] @ lm_head.T).topk(k, dim=-1).indices for i in range(0, len(hidden), chunk)])
-
-
-def _logit_margins(hidden: torch.Tensor, lm_head: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """hidden [n, h] -> top1 - top2 logit [n]."""
-    parts = []
-    for i in range(0, len(hidden), chunk):
-        top2 = (hidden[i : i + chunk] @ lm_head.T).topk(2, dim=-1).values
-        parts.append(top2[:, 0] - top2[:, 1])
-    return torch.cat(parts)
+def _topk(hidden: torch.Tensor, lm_head: torch.Tensor, k: int, chunk: int = 4096):
+    """hidden [n, h], lm_head [vocab, h] -> top-k (logits [n, k], token ids [n, k]); chunked
+    because the full [vocab, vocab] logits of the bench preset are GBs."""
+    parts = [(hidden[i : i + chunk] @ lm_head.T).topk(k, dim=-1) for i in range(0, len(hidden), chunk)]
+    return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
 
 
 def _unit_rms(x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +190,13 @@ def _unit_rms(x: torch.Tensor) -> torch.Tensor:
 
 def successor_from_weights(embed: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     """The target's greedy successor table [vocab], read off embed [vocab, h] and lm_head [vocab, h]."""
-    return _top_tokens(_unit_rms(embed.float()), lm_head.float(), 1)[:, 0]
+    return _topk(_unit_rms(embed.float()), lm_head.float(), 1)[1][:, 0]
+
+
+def successor_table(model_dir: str | Path, device="cpu") -> torch.Tensor:
+    """The target's greedy successor table [vocab], from its saved weights."""
+    w = load_checkpoint(model_dir, device=device, names=_EMBED_AND_HEAD).weights
+    return successor_from_weights(w["model.embed_tokens.weight"], w["lm_head.weight"])
 
 
 def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu") -> TargetInfo:
@@ -216,7 +220,8 @@ def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu") -> Targe
     weights["model.norm.weight"] = torch.ones(h, device=device, dtype=torch.bfloat16)
 
     assert torch.equal(successor_from_weights(embed, lm_head), successor)
-    min_margin = _logit_margins(_unit_rms(embed.float()), lm_head.float()).min().item()
+    top2 = _topk(_unit_rms(embed.float()), lm_head.float(), 2)[0]  # [vocab, 2]
+    min_margin = (top2[:, 0] - top2[:, 1]).min().item()
     meta = {
         "kind": "target",
         "spec": asdict(spec),
@@ -240,7 +245,7 @@ def draft_hits(embed, lm_head, successor, fc_a, *, k: int = 1, dtype=torch.float
     """For every token t, is successor[t] within the top-k of lm_head @ (A E[t])? -> [vocab, k] bool,
     column j = rank j. This is the draft's prediction with its (tiny) decoder layer left out."""
     hidden = embed.to(dtype) @ fc_a.to(dtype).T  # [vocab, h]
-    return _top_tokens(hidden, lm_head.to(dtype), k) == successor[:, None]
+    return _topk(hidden, lm_head.to(dtype), k)[1] == successor[:, None]
 
 
 def make_eagle_draft(
@@ -256,7 +261,7 @@ def make_eagle_draft(
     assert 0.0 <= agreement <= 1.0
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     spec = TargetSpec(**load_meta(target_dir)["spec"])
-    target = load_checkpoint(target_dir, dtype=torch.float32, device=device)
+    target = load_checkpoint(target_dir, device=device, names=_EMBED_AND_HEAD)
     embed = target.weights["model.embed_tokens.weight"]  # [vocab, h]
     lm_head = target.weights["lm_head.weight"]  # [vocab, h]
     successor = successor_from_weights(embed, lm_head)  # [vocab]
@@ -326,11 +331,11 @@ def make_eagle_draft(
 def make_pair(
     out_root: str | Path, preset: str = "toy", agreement: float = 0.7, *, seed: int = 0, device="cpu"
 ) -> tuple[TargetInfo, DraftInfo]:
-    """-> out_root/target and out_root/eagle_draft."""
+    """-> out_root/target and out_root/draft (the layout tests and benchmarks look for)."""
     out_root = Path(out_root)
     spec = TargetSpec(**{**asdict(PRESETS[preset]), "seed": seed})
     target = make_target(out_root / "target", spec, device=device)
-    draft = make_eagle_draft(out_root / "eagle_draft", target.path, agreement=agreement, seed=seed + 1, device=device)
+    draft = make_eagle_draft(out_root / "draft", target.path, agreement=agreement, seed=seed + 1, device=device)
     return target, draft
 
 
@@ -376,7 +381,9 @@ def _decoder_layer(x: torch.Tensor, w: dict, prefix: str, cfg: dict, positions, 
 
 
 def reference_target_logits(model: str | Path | Checkpoint, input_ids: torch.Tensor, *, dtype=torch.float32):
-    """Llama forward. input_ids [b, s] -> logits [b, s, vocab]."""
+    """Llama forward. input_ids [b, s] -> logits [b, s, vocab] ([s] -> [s, vocab])."""
+    if input_ids.dim() == 1:
+        return reference_target_logits(model, input_ids[None], dtype=dtype)[0]
     ckpt = _as_checkpoint(model, dtype, input_ids.device)
     cfg, w = ckpt.config, ckpt.weights
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -414,7 +421,7 @@ def reference_draft_logits(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m specpatch.synth", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="writes OUT/target and OUT/eagle_draft")
+    p.add_argument("--out", required=True, help="writes OUT/target and OUT/draft")
     p.add_argument("--preset", default="toy", choices=sorted(PRESETS))
     p.add_argument("--agreement", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)

@@ -27,6 +27,8 @@ MODULES = [
     "sglang.srt.speculative.multi_layer_eagle_worker_v2",
     "sglang.srt.speculative.eagle_info_v2",
     "sglang.srt.speculative.spec_utils",
+    "sglang.srt.speculative.eagle_utils",
+    "sglang.srt.speculative.chain_draft",
     "sglang.srt.layers.attention.triton_backend",
     "sglang.srt.layers.attention.flashattention_backend",
     "sglang.srt.mem_cache.memory_pool",
@@ -99,3 +101,15 @@ def test_imports_in_fresh_interpreter(module: str, fresh_imports: dict[str, Futu
     assert report["libcuda"] == cuda_stub
     if cuda_stub != "driver":
         assert report["cuda"] is False
+
+
+def test_installed_sglang_is_the_patched_build():
+    from specpatch.cli import installed_stamp
+
+    stamp = installed_stamp()
+    assert stamp is not None, "sglang here is not a specpatch build (run tools/setup.sh)"
+    assert stamp["upstream"] == "sglang==0.5.12.post1"
+    assert [p["name"] for p in stamp["patches"]] == [
+        line.split()[0] for line in (TOOLS.parent / "patches" / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]

@@ -18,11 +18,6 @@ def _names(model_dir: Path) -> set[str]:
         return set(f.keys())
 
 
-def _successor(model_dir: Path) -> torch.Tensor:  # [vocab]
-    w = synth.load_checkpoint(model_dir).weights
-    return synth.successor_from_weights(w["model.embed_tokens.weight"], w["lm_head.weight"])
-
-
 @pytest.fixture(scope="module")
 def toy_target(tmp_path_factory) -> Path:
     return synth.make_target(tmp_path_factory.mktemp("toy") / "target", synth.PRESETS["toy"]).path
@@ -30,7 +25,7 @@ def toy_target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def toy_draft(toy_target) -> Path:
-    return synth.make_eagle_draft(toy_target.parent / "eagle_draft", toy_target, agreement=0.7).path
+    return synth.make_eagle_draft(toy_target.parent / "draft", toy_target, agreement=0.7).path
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +58,14 @@ def test_reference_draft_matches_the_measured_table(toy_target, toy_draft):
     embed, lm_head = target.weights["model.embed_tokens.weight"], target.weights["lm_head.weight"]
     fc = synth.load_checkpoint(toy_draft).weights["fc.weight"]  # [h, 2h]
     h = embed.shape[1]
-    table = synth._top_tokens(embed @ fc[:, :h].T, lm_head, 1)[:, 0]  # [vocab]
+    table = synth._topk(embed @ fc[:, :h].T, lm_head, 1)[1][:, 0]  # [vocab]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, embed.shape[0], (8, 64), generator=g)
     hidden = torch.randn(8, 64, h, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         pred = synth.reference_draft_logits(toy_draft, toy_target, ids, hidden, dtype=dtype).argmax(-1)
         assert (pred == table[ids]).float().mean() >= 0.99
-    right = (table[ids] == _successor(toy_target)[ids]).float().mean()
+    right = (table[ids] == synth.successor_table(toy_target)[ids]).float().mean()
     assert abs(right - synth.load_meta(toy_draft)["agreement"]) <= 0.06  # 512 samples of p=0.7
 
 
@@ -78,7 +73,7 @@ def test_reference_draft_matches_the_measured_table(toy_target, toy_draft):
 def test_target_greedy_margin_is_large_in_bf16(toy_target, small_target, preset):
     model_dir = {"toy": toy_target, "small": small_target}[preset]
     ckpt = synth.load_checkpoint(model_dir, dtype=torch.bfloat16)
-    successor = _successor(model_dir)
+    successor = synth.successor_table(model_dir)
     g = torch.Generator().manual_seed(0)
     for length in (1, 2, 7, 33, 64):
         ids = torch.randint(0, synth.PRESETS[preset].vocab, (4, length), generator=g)
@@ -93,7 +88,7 @@ def test_transformers_loads_it_and_agrees(toy_target):
 
     model = LlamaForCausalLM.from_pretrained(toy_target, dtype=torch.float32).eval()
     assert set(model.state_dict()) == _names(toy_target)  # exactly the HF Llama names
-    successor = _successor(toy_target)
+    successor = synth.successor_table(toy_target)
     prompt = torch.tensor([[5, 17, 300, 42], [1, 2, 3, 2047]])
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=24, do_sample=False)
@@ -164,5 +159,5 @@ def test_bench_preset_is_at_least_1b_params():
 def test_cli_writes_both_dirs(tmp_path, capsys):
     synth.main(["--out", str(tmp_path), "--preset", "toy", "--agreement", "0.7"])
     printed = capsys.readouterr().out
-    assert str(tmp_path / "target") in printed and str(tmp_path / "eagle_draft") in printed
-    assert (tmp_path / "target" / "config.json").exists() and (tmp_path / "eagle_draft" / "synth_meta.json").exists()
+    assert str(tmp_path / "target") in printed and str(tmp_path / "draft") in printed
+    assert (tmp_path / "target" / "config.json").exists() and (tmp_path / "draft" / synth.META).exists()

@@ -1,0 +1,133 @@
+"""Multi-layer EAGLE v2: each draft step's forward runs on that step's own req_to_token_pool,
+token_to_kv_pool and attention backend, in draft-extend after prefill and after decode.
+
+The worker and its draft-extend methods are sglang's own; the step runners are recording fakes
+with distinct pools and backends, and the batch is an idle (DP-attention padding) batch so the
+real ForwardBatch.init_new and EagleDraftInput code runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.speculative.draft_step_binding import bind_draft_step
+from sglang.srt.speculative.multi_layer_eagle_worker_v2 import MultiLayerEagleDraftWorker
+
+NUM_STEPS, VOCAB = 3, 11
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_groups():
+    """ForwardBatch.init_new asks the MoE expert-parallel group its size: a 1-rank gloo world."""
+    from sglang.srt.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+        ps.initialize_model_parallel(backend="gloo")
+    yield
+
+
+class Named:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+class RecordingStepRunner:
+    def __init__(self, step: int, seen: list):
+        self.step = step
+        self.req_to_token_pool = Named(f"req_to_token[{step}]")
+        self.token_to_kv_pool = Named(f"kv_pool[{step}]")
+        self.attn_backend = Named(f"attn_backend[{step}]")
+        self.device = "cpu"
+        self.spec_algorithm = SimpleNamespace(is_standalone=lambda: False)
+        self.seen = seen
+
+    def forward(self, forward_batch, skip_attn_backend_init=False):
+        self.seen.append(SimpleNamespace(
+            runner=self.step,
+            req_to_token_pool=forward_batch.req_to_token_pool,
+            token_to_kv_pool=forward_batch.token_to_kv_pool,
+            attn_backend=forward_batch.attn_backend,
+            plans_own_metadata=not skip_attn_backend_init,
+        ))
+        logits = SimpleNamespace(next_token_logits=torch.empty(0, VOCAB), hidden_states=None)
+        return SimpleNamespace(logits_output=logits)
+
+
+class IdleWorkerBatch(SimpleNamespace):
+    """A ModelWorkerBatch for an idle rank: fields the idle path does not read are None."""
+
+    def __getattr__(self, name):
+        return None
+
+
+def idle_batch() -> IdleWorkerBatch:
+    return IdleWorkerBatch(forward_mode=ForwardMode.IDLE, seq_lens=torch.empty(0, dtype=torch.int64),
+                           seq_lens_cpu=torch.empty(0, dtype=torch.int64), seq_lens_sum=0,
+                           input_ids=torch.empty(0, dtype=torch.int64), reqs=[])
+
+
+def make_worker():
+    seen: list = []
+    worker = object.__new__(MultiLayerEagleDraftWorker)
+    worker.speculative_num_steps = NUM_STEPS
+    worker.speculative_num_draft_tokens = NUM_STEPS + 1
+    worker.topk = 1
+    worker.device = "cpu"
+    worker.chain_mtp_hidden_states = False
+    worker.draft_runner_list = [RecordingStepRunner(step, seen) for step in range(NUM_STEPS)]
+    worker.cuda_graph_runner_for_draft_extend = None
+    worker.plan_stream, worker.plan_stream_ctx = None, contextlib.nullcontext()
+    worker.req_to_hidden_states_pool = None
+    return worker, seen
+
+
+def assert_each_step_used_its_own(seen):
+    assert [s.runner for s in seen] == list(range(NUM_STEPS))
+    for s in seen:
+        assert s.req_to_token_pool.name == f"req_to_token[{s.runner}]"
+        assert s.token_to_kv_pool.name == f"kv_pool[{s.runner}]"
+        assert s.attn_backend.name == f"attn_backend[{s.runner}]"
+
+
+def test_draft_extend_for_prefill_binds_each_step():
+    worker, seen = make_worker()
+    worker._draft_extend_for_prefill(idle_batch(), torch.empty(0, 8), torch.empty(0, dtype=torch.int64))
+    assert_each_step_used_its_own(seen)
+    assert all(s.plans_own_metadata for s in seen)
+
+
+def test_draft_extend_for_decode_eager_binds_each_step():
+    worker, seen = make_worker()
+    batch_result = SimpleNamespace(
+        logits_output=SimpleNamespace(hidden_states=torch.empty(0, 8)),
+        next_token_ids=torch.empty(0, dtype=torch.int64),
+        accept_lens=torch.empty(0, dtype=torch.int64),
+        next_draft_input=SimpleNamespace(),
+    )
+    worker._draft_extend_for_decode(idle_batch(), batch_result)
+    assert_each_step_used_its_own(seen)
+    # Step 0's metadata is planned with the batch (on the plan stream); later steps plan their own,
+    # since their backend was never initialised for this batch.
+    assert [s.plans_own_metadata for s in seen] == [False] + [True] * (NUM_STEPS - 1)
+
+
+def test_bind_draft_step_sets_all_three():
+    runner = RecordingStepRunner(2, [])
+    fb = SimpleNamespace(req_to_token_pool=None, token_to_kv_pool=None, attn_backend=None)
+    bind_draft_step(fb, runner)
+    assert (fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend) == (
+        runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend)
