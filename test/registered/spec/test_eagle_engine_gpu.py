@@ -68,6 +68,22 @@ def test_eagle_topk1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_ru
     assert abs(run.accept_length - expected_accept) <= 0.15 * expected_accept
 
 
+@pytest.mark.parametrize("spec", [eng.SpecConfig(4, 3, 8, overlap=False), eng.SpecConfig(1, 3, 4, overlap=False)],
+                         ids=lambda spec: spec.label)
+def test_eagle_spec_v1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_run, spec, record_metric):
+    """Spec v1 (what topk > 1 falls back to at this base) through the v1 verify path."""
+    target, draft = toy_pair
+    with eng.engine(**eng.engine_kwargs(target, draft, spec)) as e:
+        eng.generate(e, prompts[:4], 8)
+        run = eng.generate(e, prompts, MAX_NEW_TOKENS)
+    identical = sum(a == b for a, b in zip(run.output_ids, no_spec_run.output_ids))
+    record_metric("identical", f"{identical}/{NUM_PROMPTS}")
+    record_metric("accept_length", round(run.accept_length, 3))
+    record_metric("spec_tok_per_s", round(run.tok_per_s, 1))
+    assert identical == NUM_PROMPTS
+    assert 1.0 < run.accept_length <= spec.num_steps + 1
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
