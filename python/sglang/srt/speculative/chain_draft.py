@@ -5,7 +5,8 @@ is an identity and the per-step select_top_k_tokens only copies. Here the parent
 indices are preallocated constants, each step's greedy token is written straight into its row
 of a static buffer, and draft_forward launches only the draft model's own kernels, one copy
 and one argmax per step. The argmax reads the logits directly: softmax is monotonic, so the
-general path's softmax -> top-1 picks the same token without a vocab-wide kernel.
+general path's softmax -> top-1 picks the same token (up to exact float ties) without a
+vocab-wide kernel.
 
 Shapes use `bs` for the batch and `num_steps` for speculative_num_steps.
 """
