@@ -5,7 +5,10 @@ all measured in one run (one GPU, one process after another), printed side by si
         --configs none,chain,chain-general --batch-sizes 1,8,32 --out results.json [--png plot.png]
 
 Config names: none (no speculation), chain (v2, topk 1, the fast path), chain-general (the same
-with SGLANG_SPEC_CHAIN_FAST_PATH=0), tree (v2, topk 4), tree-v1 (the base's spec v1 fallback).
+with SGLANG_SPEC_CHAIN_FAST_PATH=0), tree (v2 tree drafting, --tree K,S,D), tree-v1 (the same
+tree on spec v1: what the base falls back to, i.e. --disable-overlap-schedule).
+With both tree and tree-v1 (and chain) measured, it also prints tree v2 / v1 tok/s and
+tree / chain accept length per batch size. --replot results.json redraws the PNG only.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ CONFIGS = {
     "tree": (eng.SpecConfig(4, 3, 8), {}),
     "tree-v1": (eng.SpecConfig(4, 3, 8, overlap=False), {}),
 }
+
+
+def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
+    CONFIGS["tree"] = (eng.SpecConfig(topk, num_steps, num_draft_tokens), {})
+    CONFIGS["tree-v1"] = (eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False), {})
 
 
 def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: int, vocab: int,
@@ -62,7 +70,16 @@ def main() -> None:
     parser.add_argument("--models", help="directory for the pair (default: a temp dir)")
     parser.add_argument("--out")
     parser.add_argument("--png")
+    parser.add_argument("--tree", default="4,3,8", help="topk,num_steps,num_draft_tokens of the tree configs")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--replot", help="results.json of an earlier run: only draw --png")
     args = parser.parse_args()
+    if args.replot:
+        rows = json.loads(Path(args.replot).read_text())
+        names = list(dict.fromkeys(r["config"] for r in rows))
+        plot(rows, names, args.png, "synthetic target (replot)")
+        return
+    set_tree_shape(*(int(x) for x in args.tree.split(",")))
 
     root = Path(args.models or tempfile.mkdtemp()) / f"{args.preset}-a{args.agreement}"
     if not (root / "draft" / synth.META).exists():
@@ -74,7 +91,8 @@ def main() -> None:
     # The first engine in a process pays one-time costs (kernel JIT and autotune caches) that
     # otherwise favour whichever config is measured later: start and discard one first.
     measure(target, draft, names[0], [1], 16, vocab, repeats=1)
-    rows = [r for name in names for r in measure(target, draft, name, batch_sizes, args.max_new_tokens, vocab)]
+    rows = [r for name in names for r in measure(target, draft, name, batch_sizes, args.max_new_tokens, vocab,
+                                                 repeats=args.repeats)]
 
     base = names[0]
     print(f"preset={args.preset} ({synth.load_meta(target)['num_params'] / 1e9:.2f}B) "
@@ -86,23 +104,35 @@ def main() -> None:
         print(f"{r['config']:>14} {r['bs']:>4} {r['tok_per_s']:>9.1f} {r['accept_length']:>7.2f} {r['ratio_vs_' + base]:>9.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
+    print_pair_ratios(rows, "tree", "tree-v1", "tok_per_s", "tree v2 / v1 tok/s")
+    print_pair_ratios(rows, "tree", "chain", "accept_length", "tree / chain accept length")
     if args.png:
-        import matplotlib
+        plot(rows, names, args.png, f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name in names:
-            pts = [r for r in rows if r["config"] == name]
-            ax.plot([p["bs"] for p in pts], [p["tok_per_s"] for p in pts], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("output tok/s")
-        ax.set_title(f"{args.preset} target, draft agreement {args.agreement}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=120)
+def print_pair_ratios(rows: list[dict], num: str, den: str, key: str, title: str) -> None:
+    pairs = [(a, b) for a in rows for b in rows if a["config"] == num and b["config"] == den and a["bs"] == b["bs"]]
+    if pairs:
+        print(title + ": " + ", ".join(f"bs {a['bs']} {a[key] / b[key]:.2f}x" for a, b in pairs))
+
+
+def plot(rows: list[dict], names: list[str], png: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in names:
+        pts = [r for r in rows if r["config"] == name]
+        ax.plot([p["bs"] for p in pts], [p["tok_per_s"] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
 
 
 if __name__ == "__main__":

@@ -90,10 +90,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_http_server_with_eagle(toy_pair, prompts, record_metric):
+@pytest.mark.parametrize("spec", [CHAIN, eng.SpecConfig(16, 3, 32)], ids=lambda spec: spec.label)
+def test_http_server_with_eagle(toy_pair, prompts, spec, record_metric):
+    """`launch_server ... --speculative-eagle-topk {1, 16} --page-size 1`, both on spec v2."""
     target, draft = toy_pair
     port = _free_port()
-    kwargs = eng.engine_kwargs(target, draft, CHAIN, enable_metrics=True)
+    kwargs = eng.engine_kwargs(target, draft, spec, enable_metrics=True)
     cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port)]
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
@@ -115,6 +117,9 @@ def test_http_server_with_eagle(toy_pair, prompts, record_metric):
             time.sleep(2)
         else:
             pytest.fail("server did not become healthy in 300 s")
+        info = requests.get(f"{base}/server_info", timeout=10).json()
+        assert info["disable_overlap_schedule"] is False, "fell back to spec v1"
+        assert info["speculative_eagle_topk"] == spec.topk
         batch = prompts[:8]
         resp = requests.post(f"{base}/generate", json={
             "input_ids": batch,
