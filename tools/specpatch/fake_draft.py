@@ -14,6 +14,8 @@ import torch
 class TableDraftRunner:
     """next_token_logits = logits_table[input_id]; records every step's inputs and KV slots."""
 
+    kv_canary = None  # as ModelRunner with the KV canary off
+
     def __init__(self, vocab_size: int, seed: int = 0, device: str = "cpu"):
         g = torch.Generator().manual_seed(seed)
         # [input vocab, output vocab]
@@ -32,6 +34,8 @@ class TableDraftRunner:
 class DenseDraftRunner:
     """Costs about what one EAGLE decoder layer plus the lm_head cost per draft step (bf16 GEMMs
     over the same weight bytes), so draft-phase timings carry a realistic model share."""
+
+    kv_canary = None  # as ModelRunner with the KV canary off
 
     def __init__(self, hidden: int, intermediate: int, vocab_size: int, device: str = "cuda", seed: int = 0):
         g = torch.Generator(device=device).manual_seed(seed)

@@ -24,6 +24,8 @@ from typing import Optional, Protocol
 
 import torch
 
+from sglang.srt import kv_canary
+
 
 class MovableKVPool(Protocol):
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None: ...
@@ -94,10 +96,11 @@ def compact_accepted_tree_path(
     [bs * num_draft_tokens, hidden] or None. predict and hidden_states change in place.
     """
     moves = plan_accepted_path_moves(accept_index, num_draft_tokens)
-    kv_pool.move_kv_cache(
-        verify_out_cache_loc.index_select(0, moves.dst_rows),
-        verify_out_cache_loc.index_select(0, moves.src_rows),
-    )
+    tgt_slots = verify_out_cache_loc.index_select(0, moves.dst_rows)
+    src_slots = verify_out_cache_loc.index_select(0, moves.src_rows)
+    kv_pool.move_kv_cache(tgt_slots, src_slots)
+    # The KV canary's fingerprints travel with the K/V they describe (no-op when off).
+    kv_canary.on_kv_move(kv_pool, tgt_slots, src_slots)
     compact_rows(predict, moves)
     if hidden_states is not None:
         compact_rows(hidden_states, moves)

@@ -1,0 +1,179 @@
+"""What upstream call sites use: the factory, and one-line helpers that accept None.
+
+    self.kv_canary = install_kv_canary(self, server_args)     # ModelRunner, after its pools
+    with outside_graph(self.kv_canary, forward_batch):         # host side of one forward
+        pre_ops(self.kv_canary, forward_batch)                 # in the forward / graph capture
+
+Every helper is a no-op when the canary is off (the factory returned None), so a call site
+costs one attribute read and one call when off: no buffers, no kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import ContextManager, Iterable, Iterator, Optional
+
+import torch
+
+from sglang.srt.kv_canary.config import CanaryConfig, parse_canary_config
+from sglang.srt.kv_canary.faults import FaultInjector, parse_fault_config
+from sglang.srt.kv_canary.manager import CanaryManager
+from sglang.srt.kv_canary.tables import IDENTITY_CONTENT, IDENTITY_REQUEST, shared_record
+
+logger = logging.getLogger("sglang.srt.kv_canary")
+
+# Call sites that only hold a KV pool or the allocator find the canary here (empty when off).
+_canary_of_pool: "weakref.WeakKeyDictionary[object, CanaryManager]" = weakref.WeakKeyDictionary()
+_canary_of_allocator: "weakref.WeakKeyDictionary[object, CanaryManager]" = weakref.WeakKeyDictionary()
+
+
+def install_kv_canary(
+    model_runner,
+    server_args=None,
+    *,
+    config: Optional[CanaryConfig] = None,
+    token_offset: Optional[int] = None,
+    group_name: Optional[str] = None,
+) -> Optional[CanaryManager]:
+    """The runner's canary, or None when off (nothing allocated).
+
+    Call after the runner's req_to_token and KV pools exist and before its CUDA graphs are
+    captured. A draft runner (model_runner.is_draft_worker) gets token offset 1 and one single
+    forward per inner draft step (speculative_num_steps - 1, at least 1); a multi-layer EAGLE
+    layer runner (model_runner.draft_model_idx = i) gets offset 1 + i and one single forward.
+    """
+    config = parse_canary_config() if config is None else config
+    if not config.enabled:
+        return None
+
+    is_draft = bool(getattr(model_runner, "is_draft_worker", False))
+    # Multi-layer EAGLE (MTP): one runner per draft layer, each running once per round; layer i
+    # is fed ids rotated i + 1 times.
+    layer = getattr(model_runner, "draft_model_idx", None) if is_draft else None
+    if token_offset is None:
+        token_offset = _draft_token_offset(server_args) + (layer or 0) if is_draft else 0
+    name = group_name or ("target" if not is_draft else "draft" if layer is None else f"draft layer {layer}")
+    num_steps = int(getattr(server_args, "speculative_num_steps", None) or 1)
+    num_single_forwards = max(1, num_steps - 1) if is_draft and layer is None else 1
+    # The prefix cache shares slots between requests, so fingerprints carry content identity
+    # (position, token) rather than the writer's request hash.
+    shares_kv = not bool(getattr(server_args, "disable_radix_cache", False))
+    identity = IDENTITY_CONTENT if shares_kv else IDENTITY_REQUEST
+
+    pool = model_runner.token_to_kv_pool
+    record = shared_record(model_runner.req_to_token_pool, identity)
+    group = record.register_group(
+        pool, name, is_draft=is_draft, token_offset=token_offset, num_slots=_num_slots(pool)
+    )
+    fault = parse_fault_config()
+    manager = CanaryManager(
+        config=config,
+        record=record,
+        group=group,
+        num_single_forwards=num_single_forwards,
+        impl=_impl_for(record.device),
+        fault_injector=FaultInjector(fault) if fault is not None and not is_draft else None,
+    )
+    _canary_of_pool[pool] = manager
+    allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
+    if allocator is not None and allocator not in _canary_of_allocator:
+        _canary_of_allocator[allocator] = manager  # any manager: frees poison every group
+    logger.info(
+        f"KV canary on for {name}: mode={config.mode.value} identity={identity} "
+        f"token_offset={token_offset} single_forwards={num_single_forwards} "
+        f"sample_every={config.sample_every} sample_fraction={config.sample_fraction}"
+        + (f" fault={fault.kind.value}@{fault.trigger_step}" if manager.fault_injector else "")
+    )
+    return manager
+
+
+def _draft_token_offset(server_args) -> int:
+    # EAGLE-family drafts are fed token p + 1 at position p (their input ids are rotated);
+    # a standalone draft model is an ordinary LM fed token p.
+    algorithm = str(getattr(server_args, "speculative_algorithm", "") or "").upper()
+    return 0 if algorithm == "STANDALONE" else 1
+
+
+def _num_slots(pool) -> int:
+    # sglang pools hold size + page_size rows: the padded slot 0 takes dummy writes.
+    return int(pool.size) + int(getattr(pool, "page_size", 1) or 1)
+
+
+def _impl_for(device: torch.device):
+    from sglang.srt.kv_canary import kernels, reference
+
+    return kernels if kernels.is_usable_on(device) else reference
+
+
+# ----------------------------------------------------------------------------- call sites
+
+
+def outside_graph(
+    manager: Optional[CanaryManager], forward_batch, indices: Iterable[int] = (0,)
+) -> ContextManager:
+    """with_ops_outside_graph, or nothing when off."""
+    if manager is None:
+        return contextlib.nullcontext()
+    return manager.with_ops_outside_graph(indices, forward_batch)
+
+
+def runner_bracket(manager: Optional[CanaryManager], forward_batch) -> ContextManager:
+    """ModelRunner.forward's own bracket: target runners only. A draft runner's forwards are
+    bracketed by the speculative worker, which knows the draft step."""
+    if manager is None or manager.is_draft:
+        return contextlib.nullcontext()
+    return manager.with_ops_outside_graph((0,), forward_batch)
+
+
+def active_step(manager: Optional[CanaryManager], index: int) -> ContextManager:
+    """with_active_single_forward_manager, or nothing when off."""
+    if manager is None:
+        return contextlib.nullcontext()
+    return manager.with_active_single_forward_manager(index)
+
+
+def draft_extend_brackets(manager: Optional[CanaryManager], forward_batch) -> ContextManager:
+    """Both brackets for a draft extend (one forward, on single forward 0)."""
+    if manager is None:
+        return contextlib.nullcontext()
+    return _both_brackets(manager, forward_batch)
+
+
+@contextlib.contextmanager
+def _both_brackets(manager: CanaryManager, forward_batch) -> Iterator[None]:
+    with manager.with_ops_outside_graph([0], forward_batch), manager.with_active_single_forward_manager(0):
+        yield
+
+
+def capturing(manager: Optional[CanaryManager]) -> ContextManager:
+    if manager is None:
+        return contextlib.nullcontext()
+    return manager.capturing()
+
+
+def pre_ops(manager: Optional[CanaryManager], forward_batch, step: Optional[int] = None) -> None:
+    """Verify + write for this forward; `step` activates that single forward around it (for a
+    graph runner that calls model.forward directly, e.g. the draft-extend capture)."""
+    if manager is None:
+        return
+    if step is None:
+        manager.pre_ops_maybe_inside_graph(forward_batch)
+        return
+    with manager.with_active_single_forward_manager(step):
+        manager.pre_ops_maybe_inside_graph(forward_batch)
+
+
+def on_kv_move(kv_pool, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+    """Next to kv_pool.move_kv_cache(tgt_loc, src_loc): the fingerprints move with the K/V."""
+    manager = _canary_of_pool.get(kv_pool)
+    if manager is not None:
+        manager.move_fingerprints(tgt_loc, src_loc)
+
+
+def on_free(allocator, slots: torch.Tensor) -> None:
+    """In the allocator's free(): the slots are poisoned (in every pool) at the next bracket."""
+    manager = _canary_of_allocator.get(allocator)
+    if manager is not None:
+        manager.note_freed(slots)

@@ -1,0 +1,81 @@
+"""What the write and verify implementations (reference.py, kernels.py) take and produce.
+
+Both implementations take the same arguments and must leave the same bits behind: the tests
+compare them field by field. Every tensor here has a fixed shape for a given CUDA-graph batch
+size, and every per-forward value lives on the device, so a captured graph replays correctly
+after `stage` rewrote the buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# Columns of a violation record ([capacity, RECORD_WIDTH] int64).
+REC_BATCH_ROW = 0  # row in the forward batch (rid lookup)
+REC_REQ_ROW = 1  # req_to_token row
+REC_POSITION = 2  # KV position read
+REC_SLOT = 3  # slot req_to_token[row, position] points at
+REC_EXPECTED_FP = 4  # 0 for a borrowed position (no expectation beyond "live, this position")
+REC_FOUND_FP = 5
+REC_EXPECTED_TOKEN = 6  # -1 for a borrowed position
+REC_FOUND_WRITER = 7  # pack_writer(row, position) of the slot's last write, -1 if freed
+RECORD_WIDTH = 8
+
+
+@dataclass
+class FingerprintWrite:
+    """The tokens one forward writes into KV."""
+
+    out_cache_loc: torch.Tensor  # [n] slot of each token
+    positions: torch.Tensor  # [n] KV position of each token
+    input_ids: torch.Tensor  # [n] token id fed at that position
+    req_pool_indices: torch.Tensor  # [bs] req_to_token row of each batch row
+    # [n] batch row of each token, or None for the uniform layout: token j -> j // tokens_per_row
+    token_batch_rows: Optional[torch.Tensor]
+    tokens_per_row: int
+    live_rows: torch.Tensor  # [1] int32: batch rows >= this are CUDA-graph padding
+    # Also record token ids in the request record (False for speculative layouts where
+    # several tokens share a position: target verify, draft decode steps).
+    record_tokens: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_cache_loc.numel()
+
+
+@dataclass
+class FingerprintCheck:
+    """The prefix of each request one forward reads."""
+
+    req_pool_indices: torch.Tensor  # [bs] req_to_token row of each batch row
+    verify_lens: torch.Tensor  # [>= bs] int32: positions [0, len) are checked
+    live_rows: torch.Tensor  # [1] int32
+    verify_on: torch.Tensor  # [1] int32: 0 skips the check (sampling)
+
+
+@dataclass
+class ViolationSink:
+    """Fixed-capacity violation records and counters on the device, drained outside graphs."""
+
+    records: torch.Tensor  # [capacity, RECORD_WIDTH] int64
+    count: torch.Tensor  # [1] int64: violations seen (may exceed capacity)
+    checks: torch.Tensor  # [1] int64: positions checked
+
+    @classmethod
+    def allocate(cls, capacity: int, device) -> "ViolationSink":
+        return cls(
+            records=torch.full((capacity, RECORD_WIDTH), -1, dtype=torch.int64, device=device),
+            count=torch.zeros(1, dtype=torch.int64, device=device),
+            checks=torch.zeros(1, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.records.shape[0]
+
+    def reset(self) -> None:
+        self.count.zero_()
+        self.checks.zero_()

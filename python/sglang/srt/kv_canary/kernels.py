@@ -1,0 +1,276 @@
+"""Fused triton write and verify kernels; reference.py is their specification.
+
+Both are CUDA-graph safe: grids depend only on tensor shapes (fixed for a captured batch size),
+every per-forward value (live rows, prefix lengths, the sampling switch) is read from device
+memory, and violations go to a fixed-capacity device buffer through an atomic counter. Nothing
+here reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.kv_canary.contract import (
+    RECORD_WIDTH,
+    FingerprintCheck,
+    FingerprintWrite,
+    ViolationSink,
+)
+from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord
+
+WRITE_BLOCK = 128
+VERIFY_BLOCK = 128
+# Programs per request row in verify: a long prefix is split across them in strided blocks.
+VERIFY_SPLITS = 4
+
+
+@triton.jit
+def _mix64(x):
+    # splitmix64 finaliser, logical shifts as shift-and-mask (fingerprint.mix64)
+    x = x ^ ((x >> 30) & 0x3FFFFFFFF)
+    x = x * -4658895280553007687
+    x = x ^ ((x >> 27) & 0x1FFFFFFFFF)
+    x = x * -7723592293110705685
+    return x ^ ((x >> 31) & 0x1FFFFFFFF)
+
+
+@triton.jit
+def _fingerprint(tag, pos, token, salt):
+    inner = _mix64((pos << 32) ^ (token & 0xFFFFFFFF) ^ salt)
+    return _mix64(inner ^ tag) | 1
+
+
+@triton.jit
+def _write_kernel(
+    slot_fp,  # [num_slots] int64
+    slot_writer,  # [num_slots] int64
+    token_at,  # [rows, token_at_width] int32
+    row_tag,  # [rows] int64
+    out_cache_loc,  # [n]
+    positions,  # [n]
+    input_ids,  # [n]
+    req_pool_indices,  # [bs]
+    token_batch_rows,  # [n] or a dummy when HAS_ROW_MAP is False
+    live_rows,  # [1] int32
+    n,
+    tokens_per_row,
+    token_at_stride,
+    token_at_width,
+    salt,
+    token_offset,
+    HAS_ROW_MAP: tl.constexpr,
+    RECORD_TOKENS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = j < n
+    if HAS_ROW_MAP:
+        batch_row = tl.load(token_batch_rows + j, mask=in_range, other=0).to(tl.int64)
+    else:
+        batch_row = (j // tokens_per_row).to(tl.int64)
+    live = in_range & (batch_row < tl.load(live_rows).to(tl.int64))
+
+    row = tl.load(req_pool_indices + batch_row, mask=live, other=0).to(tl.int64)
+    pos = tl.load(positions + j, mask=live, other=0).to(tl.int64)
+    token = tl.load(input_ids + j, mask=live, other=0).to(tl.int64)
+    slot = tl.load(out_cache_loc + j, mask=live, other=0).to(tl.int64)
+    tag = tl.load(row_tag + row, mask=live, other=0)
+
+    tl.store(slot_fp + slot, _fingerprint(tag, pos, token, salt), mask=live)
+    tl.store(slot_writer + slot, (row << 32) | (pos & 0xFFFFFFFF), mask=live)
+    if RECORD_TOKENS:
+        col = pos + token_offset
+        fits = live & (col >= 0) & (col < token_at_width)
+        tl.store(token_at + row * token_at_stride + col, token.to(tl.int32), mask=fits)
+
+
+@triton.jit
+def _verify_block(
+    start,
+    n,
+    batch_row,
+    row,
+    tag,
+    own_from,
+    slot_fp,
+    slot_writer,
+    token_at,
+    req_to_token,
+    records,
+    count,
+    req_to_token_stride,
+    token_at_stride,
+    token_at_width,
+    capacity,
+    salt,
+    token_offset,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Check positions [start, start + BLOCK) of one row; record the bad ones."""
+    pos = start + tl.arange(0, BLOCK)
+    in_range = pos < n
+    slot = tl.load(req_to_token + row * req_to_token_stride + pos, mask=in_range, other=0).to(tl.int64)
+    found = tl.load(slot_fp + slot, mask=in_range, other=0)
+    writer = tl.load(slot_writer + slot, mask=in_range, other=0)
+
+    own = pos >= own_from
+    col = pos + token_offset
+    readable = in_range & own & (col < token_at_width)
+    token = tl.load(token_at + row * token_at_stride + col, mask=readable, other=-1).to(tl.int64)
+    expected = _fingerprint(tag, pos.to(tl.int64), token, salt)
+
+    bad_own = own & (found != expected)
+    bad_borrowed = (~own) & (((found & 1) == 0) | ((writer & 0xFFFFFFFF) != pos))
+    bad = in_range & (bad_own | bad_borrowed)
+
+    index = tl.atomic_add(count + tl.zeros_like(pos), 1, mask=bad)
+    keep = bad & (index < capacity)
+    record = records + index * WIDTH
+    zero = tl.zeros_like(pos).to(tl.int64)
+    tl.store(record + 0, zero + batch_row, mask=keep)
+    tl.store(record + 1, zero + row, mask=keep)
+    tl.store(record + 2, pos.to(tl.int64), mask=keep)
+    tl.store(record + 3, slot, mask=keep)
+    tl.store(record + 4, tl.where(own, expected, 0), mask=keep)
+    tl.store(record + 5, found, mask=keep)
+    tl.store(record + 6, tl.where(own, token, -1), mask=keep)
+    tl.store(record + 7, writer, mask=keep)
+
+
+@triton.jit
+def _verify_kernel(
+    slot_fp,  # [num_slots] int64
+    slot_writer,  # [num_slots] int64
+    token_at,  # [rows, token_at_width] int32
+    row_tag,  # [rows] int64
+    row_own_from,  # [rows] int32
+    req_to_token,  # [rows, context_len] int32
+    req_pool_indices,  # [bs]
+    verify_lens,  # [>= bs] int32
+    live_rows,  # [1] int32
+    verify_on,  # [1] int32
+    records,  # [capacity, RECORD_WIDTH] int64
+    count,  # [1] int64
+    checks,  # [1] int64
+    req_to_token_stride,
+    token_at_stride,
+    token_at_width,
+    capacity,
+    salt,
+    token_offset,
+    WIDTH: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    # Compiled: loop up to the row's prefix length. The interpreter cannot take a loaded value
+    # as a loop bound (numpy >= 2.5 refuses 1-element arrays as scalars), so it walks a static
+    # bound covering the whole context and relies on the masks.
+    DYNAMIC_BOUND: tl.constexpr,
+    STATIC_ITERS: tl.constexpr,
+):
+    batch_row = tl.program_id(0)
+    split = tl.program_id(1)
+    active = (tl.load(verify_on) != 0) & (batch_row < tl.load(live_rows))
+    n = tl.where(active, tl.load(verify_lens + batch_row), 0)
+    # padding rows may hold any row index: read nothing through them
+    row = tl.load(req_pool_indices + batch_row, mask=active, other=0).to(tl.int64)
+    tag = tl.load(row_tag + row, mask=active, other=0)
+    own_from = tl.load(row_own_from + row, mask=active, other=0)
+
+    if DYNAMIC_BOUND:
+        for start in range(split * BLOCK, n, SPLITS * BLOCK):
+            _verify_block(
+                start, n, batch_row, row, tag, own_from, slot_fp, slot_writer, token_at, req_to_token,
+                records, count, req_to_token_stride, token_at_stride, token_at_width, capacity, salt,
+                token_offset, WIDTH, BLOCK,
+            )
+    else:
+        for it in range(STATIC_ITERS):
+            _verify_block(
+                (it * SPLITS + split) * BLOCK, n, batch_row, row, tag, own_from, slot_fp, slot_writer,
+                token_at, req_to_token, records, count, req_to_token_stride, token_at_stride,
+                token_at_width, capacity, salt, token_offset, WIDTH, BLOCK,
+            )
+
+    tl.atomic_add(checks, n.to(tl.int64), mask=split == 0)
+
+
+def write_fingerprints(
+    record: RequestRecord, storage: FingerprintGroup, owner: FingerprintGroup, w: FingerprintWrite
+) -> None:
+    n = w.num_tokens
+    if n == 0:
+        return
+    row_map = w.token_batch_rows
+    _write_kernel[(triton.cdiv(n, WRITE_BLOCK),)](
+        storage.slot_fp,
+        storage.slot_writer,
+        record.token_at,
+        record.row_tag,
+        w.out_cache_loc,
+        w.positions,
+        w.input_ids,
+        w.req_pool_indices,
+        row_map if row_map is not None else w.live_rows,
+        w.live_rows,
+        n,
+        max(w.tokens_per_row, 1),
+        record.token_at.stride(0),
+        record.token_at.shape[1],
+        owner.salt,
+        owner.token_offset,
+        HAS_ROW_MAP=row_map is not None,
+        RECORD_TOKENS=w.record_tokens,
+        BLOCK=WRITE_BLOCK,
+    )
+
+
+def verify_fingerprints(
+    record: RequestRecord,
+    storage: FingerprintGroup,
+    owner: FingerprintGroup,
+    c: FingerprintCheck,
+    sink: ViolationSink,
+) -> None:
+    bs = c.req_pool_indices.numel()
+    if bs == 0:
+        return
+    _verify_kernel[(bs, VERIFY_SPLITS)](
+        storage.slot_fp,
+        storage.slot_writer,
+        record.token_at,
+        record.row_tag,
+        record.row_own_from,
+        record.req_to_token,
+        c.req_pool_indices,
+        c.verify_lens,
+        c.live_rows,
+        c.verify_on,
+        sink.records,
+        sink.count,
+        sink.checks,
+        record.req_to_token.stride(0),
+        record.token_at.stride(0),
+        record.token_at.shape[1],
+        sink.capacity,
+        owner.salt,
+        owner.token_offset,
+        WIDTH=RECORD_WIDTH,
+        SPLITS=VERIFY_SPLITS,
+        BLOCK=VERIFY_BLOCK,
+        DYNAMIC_BOUND=not _interpreted(),
+        STATIC_ITERS=triton.cdiv(record.req_to_token.shape[1], VERIFY_SPLITS * VERIFY_BLOCK),
+    )
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def is_usable_on(device: torch.device) -> bool:
+    """Triton runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
+    return device.type == "cuda" or _interpreted()

@@ -1,0 +1,189 @@
+"""CanaryManager: one per ModelRunner (its KV pool is one fingerprint group), owning one
+SingleForwardCanary per forward that can share a CUDA graph, and the brackets around them.
+
+    with m.with_ops_outside_graph(indices, forward_batch):   # host side: stage, then drain
+        ...
+        with m.with_active_single_forward_manager(i):        # which single forward runs next
+            m.pre_ops_maybe_inside_graph(forward_batch)      # verify + write; may be captured
+
+A pre-op must find its single forward staged by an enclosing with_ops_outside_graph, or run
+under `capturing()` (CUDA-graph capture and its warm-up runs, where nothing is staged and the
+kernels only need to be recorded). Anything else is a wiring bug and raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode, VerifySampler
+from sglang.srt.kv_canary.report import CanaryReporter, KVCanaryViolationError, Violation
+from sglang.srt.kv_canary.single_forward import SingleForwardCanary
+from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord, move_fingerprints
+
+
+class CanaryBracketError(RuntimeError):
+    """A canary bracket was nested, missing, or named a single forward that does not exist."""
+
+
+class CanaryManager:
+    def __init__(
+        self,
+        *,
+        config: CanaryConfig,
+        record: RequestRecord,
+        group: FingerprintGroup,
+        num_single_forwards: int,
+        impl,
+        fault_injector=None,
+    ):
+        if num_single_forwards < 1:
+            raise ValueError("a canary manager needs at least one single forward")
+        self.config = config
+        self.record = record
+        self.group = group
+        self.impl = impl  # reference or kernels: write_fingerprints / verify_fingerprints
+        self.fault_injector = fault_injector
+        self.single_forwards = [
+            SingleForwardCanary(i, record.req_to_token.shape[0], config.violation_capacity, record.device)
+            for i in range(num_single_forwards)
+        ]
+        self.sampler = VerifySampler(config)
+        self.reporter = CanaryReporter(config.max_log_lines)
+        self._active: Optional[int] = None
+        self._outside: Optional[list[int]] = None
+        self._capturing = 0
+
+    @property
+    def is_draft(self) -> bool:
+        return self.group.is_draft
+
+    def label(self, index: int) -> str:
+        """Report name of single forward `index`: "target", or "draft step i"."""
+        return f"{self.group.name} step {index}" if self.is_draft else self.group.name
+
+    # ---------------------------------------------------------------- brackets
+
+    @contextlib.contextmanager
+    def with_active_single_forward_manager(self, index: int) -> Iterator[SingleForwardCanary]:
+        """Route pre-ops to single forward `index` (EAGLE inner draft step `index`)."""
+        self._check_index(index)
+        if self._active is not None:
+            raise CanaryBracketError(
+                f"nested with_active_single_forward_manager({index}) inside ({self._active})"
+            )
+        self._active = index
+        try:
+            yield self.single_forwards[index]
+        finally:
+            self._active = None
+
+    @contextlib.contextmanager
+    def with_ops_outside_graph(
+        self, single_forward_indices: Iterable[int], maybe_inaccurate_forward_batch
+    ) -> Iterator[None]:
+        """Host-side ops around one forward (or one graph replay covering several).
+
+        On entry: poison slots freed since the last bracket, inject a configured fault, decide
+        sampling, stage every listed single forward from the batch (the batch as it is before
+        replay: only batch size, rows, positions and rids are read). On exit: drain and report,
+        raising KVCanaryViolationError in raise mode.
+        """
+        indices = list(single_forward_indices)
+        for index in indices:
+            self._check_index(index)
+        if self._outside is not None:
+            raise CanaryBracketError(f"nested with_ops_outside_graph({indices}) inside ({self._outside})")
+
+        self.record.apply_pending_frees()
+        if self.fault_injector is not None:
+            self.fault_injector.maybe_inject(self, maybe_inaccurate_forward_batch)
+        verify = self.sampler.tick()
+        for index in indices:
+            self.single_forwards[index].stage(self.record, self.group, maybe_inaccurate_forward_batch, verify)
+        self._outside = indices
+        try:
+            yield
+        except BaseException:
+            for index in indices:
+                self.single_forwards[index].discard()
+            raise
+        finally:
+            self._outside = None
+
+        violations = self._drain(indices)
+        if violations and self.config.mode is CanaryMode.RAISE:
+            raise KVCanaryViolationError(violations)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Around CUDA-graph capture (warm-up runs included): pre-ops are recorded, not staged.
+
+        Every single forward's live-row count reads 0 meanwhile, so the warm-up runs touch
+        nothing; the counts staged by an enclosing bracket (a recapture from inside a forward)
+        are put back afterwards, in stream order.
+        """
+        saved = [sf.live_rows.clone() for sf in self.single_forwards]
+        for sf in self.single_forwards:
+            sf.live_rows.zero_()
+        self._capturing += 1
+        try:
+            yield
+        finally:
+            self._capturing -= 1
+            for sf, live_rows in zip(self.single_forwards, saved):
+                sf.live_rows.copy_(live_rows)
+
+    # ---------------------------------------------------------------- the forward itself
+
+    def pre_ops_maybe_inside_graph(self, forward_batch) -> None:
+        """Verify what this forward reads, then fingerprint what it writes. Sync-free."""
+        index = self._dispatch_index()
+        single = self.single_forwards[index]
+        if not single.is_staged and not self._capturing:
+            raise CanaryBracketError(
+                f"KV canary pre-op for {self.label(index)} outside with_ops_outside_graph "
+                f"(staged: {self._outside})"
+            )
+        storage = self.record.group_of_pool(forward_batch.token_to_kv_pool)
+        if storage is None:
+            raise CanaryBracketError(f"KV canary: the batch's KV pool has no fingerprint group ({self.label(index)})")
+        single.run(self.impl, self.record, storage, self.group, forward_batch)
+
+    # ---------------------------------------------------------------- KV bookkeeping
+
+    def move_fingerprints(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Call next to this pool's move_kv_cache(tgt_loc, src_loc)."""
+        move_fingerprints(self.group, tgt_loc, src_loc)
+
+    def note_freed(self, slots: torch.Tensor) -> None:
+        """Call where the allocator takes slots back (they are poisoned at the next bracket)."""
+        self.record.note_freed(slots)
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < len(self.single_forwards):
+            raise CanaryBracketError(
+                f"single forward {index} out of range: {self.group.name} has {len(self.single_forwards)}"
+            )
+
+    def _dispatch_index(self) -> int:
+        if self._active is not None:
+            return self._active
+        if len(self.single_forwards) == 1:
+            return 0
+        raise CanaryBracketError(
+            f"KV canary pre-op for {self.group.name} ({len(self.single_forwards)} single forwards) "
+            "needs with_active_single_forward_manager(i)"
+        )
+
+    def _drain(self, indices: list[int]) -> list[Violation]:
+        violations: list[Violation] = []
+        for index in indices:
+            drained = self.single_forwards[index].drain()
+            if drained is not None:
+                violations += self.reporter.report(drained, self.label(index))
+        return violations
