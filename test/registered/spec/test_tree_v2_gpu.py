@@ -95,6 +95,9 @@ def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(toy_pair, cap
     assert "leak" not in text.lower(), [line for line in text.splitlines() if "leak" in line.lower()]
 
 
+# Unverified on the GPU host so far: one run hit the call's time limit inside this test, the
+# next ran out of device time while the engine started. The limit turns a hang into a failure.
+@pytest.mark.timeout(420)
 def test_tree_v2_sampling_completes_with_valid_tokens(toy_pair, prompts, record_metric):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
