@@ -4,7 +4,12 @@ accept-length and throughput readings. Shared by the GPU tests and the benchmark
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +82,43 @@ def engine(**kwargs) -> Iterator[object]:
         yield eng
     finally:
         eng.shutdown()
+
+
+@contextlib.contextmanager
+def server(startup_s: float = 300, **kwargs) -> Iterator[str]:
+    """`python -m sglang.launch_server` with engine_kwargs-style settings; yields its base URL
+    once /health answers, and stops the whole process group afterwards."""
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port)]
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value not in (False, None):
+            cmd += [flag, str(value)]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited during start-up with {proc.returncode}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"server did not become healthy in {startup_s} s")
+            time.sleep(2)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def random_prompts(n: int, vocab_size: int, *, min_len: int = 8, max_len: int = 64, seed: int = 0) -> list[list[int]]:

@@ -86,3 +86,23 @@ def test_each_injected_fault_is_detected(toy_pair, capfd, fault, spec, record_me
     record_metric("first_violation", lines[0][-300:] if lines else None)
     assert re.search(r"inject", text, re.IGNORECASE), "the fault was never injected"
     assert lines, f"fault {fault} was injected but not detected"
+
+
+def test_http_server_serves_canary_stats(toy_pair):
+    """`launch_server --kv-canary log`: GET /kv_canary_stats reports checks and no violations."""
+    import requests
+
+    target, draft = toy_pair
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    prompts = eng.random_prompts(8, vocab, seed=2)
+    kwargs = eng.engine_kwargs(target, draft, eng.SpecConfig(16, 3, 32), kv_canary="log")
+    with eng.server(**kwargs) as base:
+        resp = requests.post(f"{base}/generate", json={
+            "input_ids": prompts,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True},
+        }, timeout=120)
+        resp.raise_for_status()
+        [stats] = requests.get(f"{base}/kv_canary_stats", timeout=10).json()["schedulers"]
+    assert stats["checks_total"] > 0 and stats["forwards_checked"] > 0
+    assert stats["violations_total"] == 0
+    assert set(stats["checks_by_group"]) >= {"target", "draft step 0"}

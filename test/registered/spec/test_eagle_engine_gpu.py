@@ -3,13 +3,6 @@ the Engine and through `python -m sglang.launch_server` over HTTP."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 import requests
 
@@ -84,39 +77,11 @@ def test_eagle_spec_v1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_
     assert 1.0 < run.accept_length <= spec.num_steps + 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("spec", [CHAIN, eng.SpecConfig(16, 3, 32)], ids=lambda spec: spec.label)
 def test_http_server_with_eagle(toy_pair, prompts, spec, record_metric):
     """`launch_server ... --speculative-eagle-topk {1, 16} --page-size 1`, both on spec v2."""
     target, draft = toy_pair
-    port = _free_port()
-    kwargs = eng.engine_kwargs(target, draft, spec, enable_metrics=True)
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port)]
-    for key, value in kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            cmd.append(flag)
-        elif value not in (False, None):
-            cmd += [flag, str(value)]
-    server = subprocess.Popen(cmd, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            assert server.poll() is None, "server exited during start-up"
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("server did not become healthy in 300 s")
+    with eng.server(**eng.engine_kwargs(target, draft, spec, enable_metrics=True)) as base:
         info = requests.get(f"{base}/server_info", timeout=10).json()
         assert info["disable_overlap_schedule"] is False, "fell back to spec v1"
         assert info["speculative_eagle_topk"] == spec.topk
@@ -135,6 +100,3 @@ def test_http_server_with_eagle(toy_pair, prompts, spec, record_metric):
         accept = [float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("sglang:spec_accept_length")]
         record_metric("http_spec_accept_length_gauge", accept)
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)

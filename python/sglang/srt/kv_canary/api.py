@@ -44,7 +44,11 @@ def install_kv_canary(
     forward per inner draft step (speculative_num_steps - 1, at least 1); a multi-layer EAGLE
     layer runner (model_runner.draft_model_idx = i) gets offset 1 + i and one single forward.
     """
-    config = parse_canary_config() if config is None else config
+    if config is None:
+        # --kv-canary / --kv-canary-sample-every when given, else the environment.
+        config = parse_canary_config(
+            getattr(server_args, "kv_canary", None), getattr(server_args, "kv_canary_sample_every", None)
+        )
     if not config.enabled:
         return None
 
