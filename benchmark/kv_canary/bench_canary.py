@@ -1,5 +1,6 @@
 """tok/s with the KV canary off vs on (raise mode, every forward checked), EAGLE spec v2,
-measured in one run and printed side by side.
+measured in one run and printed side by side. "raise+deferred" also sets
+SGLANG_KV_CANARY_DEFERRED_DRAIN=1 (findings read back behind the forward, no per-forward sync).
 
     python benchmark/kv_canary/bench_canary.py --preset toy --topk 1,16 --batch-sizes 1,16,48
 
@@ -23,8 +24,12 @@ from specpatch import synth  # noqa: E402
 SHAPES = {1: eng.SpecConfig(1, 3, 4), 16: eng.SpecConfig(16, 3, 32)}
 
 
+MODES = {"off": ("off", "0"), "raise": ("raise", "0"), "raise+deferred": ("raise", "1")}
+
+
 def measure(target, draft, spec, mode: str, batch_sizes, max_new_tokens, vocab, repeats) -> list[dict]:
-    os.environ["SGLANG_KV_CANARY"] = mode  # read by the scheduler process at start-up
+    # read by the scheduler process at start-up
+    os.environ["SGLANG_KV_CANARY"], os.environ["SGLANG_KV_CANARY_DEFERRED_DRAIN"] = MODES[mode]
     rows = []
     with eng.engine(**eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes))) as e:
         for bs in batch_sizes:
@@ -42,6 +47,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,16,48")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--modes", default="off,raise,raise+deferred")
     parser.add_argument("--models")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -52,16 +58,17 @@ def main() -> None:
     target, draft = root / "target", root / "draft"
     vocab = synth.load_meta(target)["spec"]["vocab"]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    modes = args.modes.split(",")
     rows = []
     for topk in (int(k) for k in args.topk.split(",")):
-        for mode in ("off", "raise"):
+        for mode in modes:
             rows += measure(target, draft, SHAPES[topk], mode, batch_sizes, args.max_new_tokens, vocab, args.repeats)
 
-    print(f"{'topk':>4} {'bs':>4} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7}")
-    for off in (r for r in rows if r["canary"] == "off"):
-        on = next(r for r in rows if r["canary"] == "raise" and r["topk"] == off["topk"] and r["bs"] == off["bs"])
-        off["on_over_off"] = on["tok_per_s"] / off["tok_per_s"]
-        print(f"{off['topk']:>4} {off['bs']:>4} {off['tok_per_s']:>10.1f} {on['tok_per_s']:>10.1f} {off['on_over_off']:>6.3f}x")
+    print(f"{'topk':>4} {'bs':>4} {'mode':>15} {'tok/s':>10} {'vs off':>7}")
+    for r in rows:
+        off = next(x for x in rows if x["canary"] == "off" and x["topk"] == r["topk"] and x["bs"] == r["bs"])
+        r["vs_off"] = r["tok_per_s"] / off["tok_per_s"]
+        print(f"{r['topk']:>4} {r['bs']:>4} {r['canary']:>15} {r['tok_per_s']:>10.1f} {r['vs_off']:>6.3f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

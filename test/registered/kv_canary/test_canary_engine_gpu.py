@@ -70,13 +70,15 @@ def test_raise_mode_sees_no_violation_in_2000_requests_with_retraction(toy_pair,
     assert run.output_ids == expected
 
 
+@pytest.mark.parametrize("deferred", ["0", "1"], ids=["sync-drain", "deferred-drain"])
 @pytest.mark.parametrize("fault", ["corrupt_slot", "misroute_req_to_token", "free_in_use"])
 @pytest.mark.parametrize("spec", [eng.SpecConfig(16, 3, 32)], ids=lambda s: s.label)
-def test_each_injected_fault_is_detected(toy_pair, capfd, fault, spec, record_metric):
+def test_each_injected_fault_is_detected(toy_pair, capfd, fault, spec, deferred, record_metric):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = eng.random_prompts(16, vocab, seed=5, min_len=16, max_len=48)
-    with canary_env(SGLANG_KV_CANARY="log", SGLANG_KV_CANARY_FAULT=fault, SGLANG_KV_CANARY_FAULT_STEP=20):
+    with canary_env(SGLANG_KV_CANARY="log", SGLANG_KV_CANARY_FAULT=fault, SGLANG_KV_CANARY_FAULT_STEP=20,
+                    SGLANG_KV_CANARY_DEFERRED_DRAIN=deferred):
         # Eager: the fault path is the same, and the start-up is a fraction of a captured one.
         with eng.engine(**eng.engine_kwargs(target, draft, spec, log_level="info", cuda_graph=False)) as e:
             eng.generate(e, prompts, 64)

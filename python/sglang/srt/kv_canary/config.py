@@ -1,7 +1,8 @@
 """KV-canary settings: whether it runs, what a violation does, and how often reads are checked.
 
-    SGLANG_KV_CANARY               off | log | raise   (default off)
-    SGLANG_KV_CANARY_SAMPLE_EVERY  int >= 1            (default 1: check every forward)
+    SGLANG_KV_CANARY                 off | log | raise   (default off)
+    SGLANG_KV_CANARY_SAMPLE_EVERY    int >= 1            (default 1: check every forward)
+    SGLANG_KV_CANARY_DEFERRED_DRAIN  0 | 1               (default 0: read findings back at once)
 
 Writes are fingerprinted on every forward once the canary is on: a skipped write would leave a
 stale fingerprint behind and report a violation later. Sampling only thins out the checks.
@@ -16,6 +17,7 @@ from typing import Mapping, Optional, Union
 
 ENV_MODE = "SGLANG_KV_CANARY"
 ENV_SAMPLE_EVERY = "SGLANG_KV_CANARY_SAMPLE_EVERY"
+ENV_DEFERRED_DRAIN = "SGLANG_KV_CANARY_DEFERRED_DRAIN"
 
 
 class CanaryMode(enum.Enum):
@@ -35,6 +37,10 @@ class CanaryConfig:
     violation_capacity: int = 64
     # Log lines per drained forward; the rest are summarised in one line.
     max_log_lines: int = 16
+    # Read a checked forward's findings back behind it (copy + event) and report them at a
+    # later bracket, instead of syncing the host with the GPU after every checked forward,
+    # which stalls the overlap scheduler. Raise mode then raises a few forwards late.
+    deferred_drain: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -46,6 +52,7 @@ def parse_canary_config(
     sample_every: Union[int, str, None] = None,
     *,
     sample_fraction: Union[float, str, None] = None,
+    deferred_drain: Union[bool, str, None] = None,
     env: Optional[Mapping[str, str]] = None,
 ) -> CanaryConfig:
     """Build the config from explicit values, falling back to the environment for unset ones.
@@ -64,7 +71,21 @@ def parse_canary_config(
     raw_every = sample_every if sample_every is not None else env.get(ENV_SAMPLE_EVERY, "1")
     every = _parse_sample_every(raw_every, every_source)
     fraction = None if sample_fraction is None else _parse_fraction(sample_fraction)
-    return CanaryConfig(mode=parsed_mode, sample_every=every, sample_fraction=fraction)
+    deferred_source = "deferred_drain" if deferred_drain is not None else ENV_DEFERRED_DRAIN
+    raw_deferred = deferred_drain if deferred_drain is not None else env.get(ENV_DEFERRED_DRAIN, "0")
+    deferred = _parse_bool(raw_deferred, deferred_source)
+    return CanaryConfig(mode=parsed_mode, sample_every=every, sample_fraction=fraction, deferred_drain=deferred)
+
+
+def _parse_bool(raw: Union[bool, str], source: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{source}={raw!r}: expected 0 or 1")
 
 
 def _parse_mode(raw: Union[str, CanaryMode], source: str) -> CanaryMode:

@@ -14,14 +14,19 @@ kernels only need to be recorded). Anything else is a wiring bug and raises.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from typing import Iterable, Iterator, Optional
 
 import torch
 
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode, VerifySampler
 from sglang.srt.kv_canary.report import CanaryReporter, KVCanaryViolationError, Violation
-from sglang.srt.kv_canary.single_forward import SingleForwardCanary
+from sglang.srt.kv_canary.single_forward import PendingDrain, SingleForwardCanary
 from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord, move_fingerprints
+
+
+# Deferred drains waiting for their copies; past this many the oldest are waited for.
+MAX_PENDING_DRAINS = 16
 
 
 class CanaryBracketError(RuntimeError):
@@ -55,6 +60,8 @@ class CanaryManager:
         self._active: Optional[int] = None
         self._outside: Optional[list[int]] = None
         self._capturing = 0
+        # (single forward index, its drain) in bracket order
+        self._pending: deque[tuple[int, PendingDrain]] = deque()
 
     @property
     def is_draft(self) -> bool:
@@ -86,10 +93,11 @@ class CanaryManager:
     ) -> Iterator[None]:
         """Host-side ops around one forward (or one graph replay covering several).
 
-        On entry: poison slots freed since the last bracket, inject a configured fault, decide
-        sampling, stage every listed single forward from the batch (the batch as it is before
-        replay: only batch size, rows, positions and rids are read). On exit: drain and report,
-        raising KVCanaryViolationError in raise mode.
+        On entry: report deferred findings that have landed, poison slots freed since the last
+        bracket, inject a configured fault, decide sampling, stage every listed single forward
+        from the batch (the batch as it is before replay: only batch size, rows, positions and
+        rids are read). On exit: drain and report, raising KVCanaryViolationError in raise mode
+        (with deferred drains, at the bracket that reads the findings back).
         """
         indices = list(single_forward_indices)
         for index in indices:
@@ -97,6 +105,7 @@ class CanaryManager:
         if self._outside is not None:
             raise CanaryBracketError(f"nested with_ops_outside_graph({indices}) inside ({self._outside})")
 
+        self._report(block=False)
         self.record.apply_pending_frees()
         if self.fault_injector is not None:
             self.fault_injector.maybe_inject(self, maybe_inaccurate_forward_batch)
@@ -113,9 +122,15 @@ class CanaryManager:
         finally:
             self._outside = None
 
-        violations = self._drain(indices)
-        if violations and self.config.mode is CanaryMode.RAISE:
-            raise KVCanaryViolationError(violations)
+        for index in indices:
+            drained = self.single_forwards[index].drain(self.config.deferred_drain)
+            if drained is not None:
+                self._pending.append((index, drained))
+        self._report(block=not self.config.deferred_drain or len(self._pending) > MAX_PENDING_DRAINS)
+
+    def flush(self) -> None:
+        """Wait for every deferred drain and report it (raising in raise mode)."""
+        self._report(block=True)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -180,10 +195,11 @@ class CanaryManager:
             "needs with_active_single_forward_manager(i)"
         )
 
-    def _drain(self, indices: list[int]) -> list[Violation]:
+    def _report(self, block: bool) -> None:
+        """Report drains in bracket order: all of them when blocking, else those landed."""
         violations: list[Violation] = []
-        for index in indices:
-            drained = self.single_forwards[index].drain()
-            if drained is not None:
-                violations += self.reporter.report(drained, self.label(index))
-        return violations
+        while self._pending and (block or self._pending[0][1].ready()):
+            index, pending = self._pending.popleft()
+            violations += self.reporter.report(pending.result(), self.label(index))
+        if violations and self.config.mode is CanaryMode.RAISE:
+            raise KVCanaryViolationError(violations)

@@ -3,7 +3,8 @@
     stage   outside any graph: write this forward's plan (live rows, prefix lengths, sampling
             switch) into static buffers; note new row owners at admitting extends
     run     maybe inside a graph: verify the prefix each row reads, then fingerprint the writes
-    drain   outside any graph, after the forward: read the sink back to the host and reset it
+    drain   outside any graph, after the forward: copy the sink to the host and reset it
+            (waiting for the copy at once, or leaving a PendingDrain to be read later)
 
 A captured graph bakes in the addresses of one SingleForwardCanary's buffers, so each forward
 that shares a graph with others needs its own: EAGLE's draft graph runs all inner draft steps,
@@ -39,6 +40,32 @@ class DrainedForward:
     checks: int = 0
     # [min(count, capacity), RECORD_WIDTH] int64 on the host
     records: torch.Tensor = field(default_factory=lambda: torch.empty(0, RECORD_WIDTH, dtype=torch.int64))
+
+
+@dataclass
+class PendingDrain:
+    """A drained forward's counters and records on their way to the host."""
+
+    staged: StagedForward
+    # [2] int64 on the host: violations seen, positions checked; None when not checked
+    counters: Optional[torch.Tensor] = None
+    # [n, RECORD_WIDTH] int64 on the host, n >= the records kept
+    records: Optional[torch.Tensor] = None
+    # Recorded after the device-to-host copies; None when they already completed.
+    copied: Optional["torch.cuda.Event"] = None
+
+    def ready(self) -> bool:
+        return self.copied is None or self.copied.query()
+
+    def result(self) -> DrainedForward:
+        if self.counters is None:
+            return DrainedForward(self.staged)
+        if self.copied is not None:
+            self.copied.synchronize()
+        count, checks = self.counters.tolist()
+        if count == 0:
+            return DrainedForward(self.staged, 0, checks)
+        return DrainedForward(self.staged, count, checks, self.records[: min(count, self.records.shape[0])])
 
 
 class SingleForwardCanary:
@@ -114,18 +141,33 @@ class SingleForwardCanary:
             ),
         )
 
-    def drain(self) -> Optional[DrainedForward]:
-        """Read back this forward's findings (one device sync when it was checked)."""
+    def drain(self, deferred: bool = False) -> Optional[PendingDrain]:
+        """Take this forward's findings off the device and reset the sink for the next one.
+
+        Not deferred (or on a CPU device): one host sync when the forward was checked, and the
+        result is ready. Deferred: the copies go into pinned memory behind the forward on the
+        current stream, and the result is read once they have landed.
+        """
         staged, self.staged = self.staged, None
         if staged is None:
             return None
         if not staged.verify:
-            return DrainedForward(staged)
-        count, checks = torch.cat([self.sink.count, self.sink.checks]).tolist()  # the one sync
+            return PendingDrain(staged)
+        counters = torch.cat([self.sink.count, self.sink.checks])
+        if deferred and counters.is_cuda:
+            host_counters = torch.empty(counters.shape, dtype=counters.dtype, pin_memory=True)
+            host_records = torch.empty(self.sink.records.shape, dtype=self.sink.records.dtype, pin_memory=True)
+            host_counters.copy_(counters, non_blocking=True)
+            host_records.copy_(self.sink.records, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self.sink.reset()  # stream-ordered after the copies
+            return PendingDrain(staged, host_counters, host_records, copied)
+        host_counters = counters.cpu()  # the one sync
+        count = int(host_counters[0])
+        host_records = self.sink.records[: min(count, self.sink.capacity)].cpu()
         self.sink.reset()
-        if count == 0:
-            return DrainedForward(staged, 0, checks)
-        return DrainedForward(staged, count, checks, self.sink.records[: min(count, self.sink.capacity)].cpu())
+        return PendingDrain(staged, host_counters, host_records)
 
     def discard(self) -> None:
         """Forget the staged forward without reading the device (the forward raised)."""

@@ -1,0 +1,114 @@
+"""Deferred drains (SGLANG_KV_CANARY_DEFERRED_DRAIN=1): findings are read back behind the
+forward and reported, in bracket order, by the first bracket that finds them landed; raise mode
+raises there. The device copy is replaced by a gate the test opens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from canary_sim import SimEngine
+from test_brackets import _draft_step_batch
+from sglang.srt.kv_canary.config import CanaryMode, parse_canary_config
+from sglang.srt.kv_canary.report import KVCanaryViolationError
+from sglang.srt.kv_canary.single_forward import SingleForwardCanary
+
+
+class Gate:
+    """Stands in for the CUDA event recorded after the device-to-host copies."""
+
+    def __init__(self):
+        self.open = False
+
+    def query(self) -> bool:
+        return self.open
+
+    def synchronize(self) -> None:
+        self.open = True
+
+
+@pytest.fixture
+def deferred(monkeypatch):
+    engine = SimEngine(num_steps=4, seed=3)
+    engine.admit(10)
+    engine.admit(7)
+    manager = engine.draft
+    manager.config = replace(manager.config, mode=CanaryMode.RAISE, deferred_drain=True)
+    gates: list[Gate] = []
+    real_drain = SingleForwardCanary.drain
+
+    def gated_drain(self, deferred_drain=False):
+        assert deferred_drain, "the manager did not ask for a deferred drain"
+        pending = real_drain(self, deferred_drain)
+        if pending is not None:
+            pending.copied = Gate()
+            gates.append(pending.copied)
+        return pending
+
+    monkeypatch.setattr(SingleForwardCanary, "drain", gated_drain)
+    reported: list[str] = []
+    bad_labels: set[str] = set()
+
+    def report(drained, label):
+        reported.append(label)
+        return [SimpleNamespace(describe=lambda: f"violation in {label}")] if label in bad_labels else []
+
+    monkeypatch.setattr(manager.reporter, "report", report)
+    batch = _draft_step_batch(engine, 0)
+    return SimpleNamespace(manager=manager, gates=gates, reported=reported, bad=bad_labels, batch=batch)
+
+
+def bracket(d, indices):
+    with d.manager.with_ops_outside_graph(indices, d.batch):
+        pass
+
+
+def test_findings_wait_for_their_copy_and_keep_bracket_order(deferred):
+    d = deferred
+    bracket(d, [0, 1])
+    assert d.reported == [] and len(d.gates) == 2
+    d.gates[1].open = True  # the later one landed first: nothing may overtake the earlier one
+    bracket(d, [2])
+    assert d.reported == []
+    d.gates[0].open = True
+    bracket(d, [0])
+    assert d.reported == ["draft step 0", "draft step 1"]
+    d.manager.flush()
+    assert d.reported == ["draft step 0", "draft step 1", "draft step 2", "draft step 0"]
+
+
+def test_raise_mode_raises_at_the_bracket_that_reads_the_findings(deferred):
+    d = deferred
+    d.bad.add("draft step 1")
+    bracket(d, [1])  # the violating forward: its findings are still on the device
+    d.gates[0].open = True
+    with pytest.raises(KVCanaryViolationError, match="violation in draft step 1"):
+        bracket(d, [0])
+    assert not d.manager.single_forwards[0].is_staged  # the raising bracket staged nothing
+
+
+def test_too_many_pending_drains_are_waited_for(deferred):
+    from sglang.srt.kv_canary.manager import MAX_PENDING_DRAINS
+
+    d = deferred
+    for _ in range(MAX_PENDING_DRAINS):
+        bracket(d, [0])
+    assert d.reported == []
+    bracket(d, [0])  # one past the bound: everything pending is read back
+    assert len(d.reported) == MAX_PENDING_DRAINS + 1
+
+
+@pytest.mark.parametrize("raw,expected", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_env_switch(raw, expected):
+    assert parse_canary_config(env={"SGLANG_KV_CANARY": "log", "SGLANG_KV_CANARY_DEFERRED_DRAIN": raw}).deferred_drain is expected
+
+
+def test_bad_env_switch_names_the_variable():
+    with pytest.raises(ValueError, match="SGLANG_KV_CANARY_DEFERRED_DRAIN='maybe'"):
+        parse_canary_config(env={"SGLANG_KV_CANARY": "log", "SGLANG_KV_CANARY_DEFERRED_DRAIN": "maybe"})
+
+
+def test_default_drains_at_once():
+    assert parse_canary_config(env={"SGLANG_KV_CANARY": "log"}).deferred_drain is False
