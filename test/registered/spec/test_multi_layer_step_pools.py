@@ -1,5 +1,6 @@
-"""Multi-layer EAGLE v2: each draft step's forward runs on that step's own req_to_token_pool,
-token_to_kv_pool and attention backend, in draft-extend after prefill and after decode.
+"""Multi-layer EAGLE (spec v2 and spec v1 workers): each draft step's forward runs on that
+step's own req_to_token_pool, token_to_kv_pool and attention backend, in draft-extend after
+prefill and after decode.
 
 The worker and its draft-extend methods are sglang's own; the step runners are recording fakes
 with distinct pools and backends, and the batch is an idle (DP-attention padding) batch so the
@@ -131,3 +132,63 @@ def test_bind_draft_step_sets_all_three():
     bind_draft_step(fb, runner)
     assert (fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend) == (
         runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend)
+
+
+# ----------------------------------------------------------------------------- spec v1 worker
+
+
+class IdleScheduleBatch(SimpleNamespace):
+    """A ScheduleBatch for an idle rank, as far as the v1 draft-extend paths read it."""
+
+    def get_model_worker_batch(self, seq_lens_cpu_cache=None):
+        worker_batch = idle_batch()
+        worker_batch.spec_info = self.spec_info
+        worker_batch.capture_hidden_mode = getattr(self.spec_info, "capture_hidden_mode", None)
+        return worker_batch
+
+    def copy(self):
+        return IdleScheduleBatch(**vars(self))
+
+    def prepare_for_idle(self):
+        pass
+
+
+def idle_schedule_batch() -> IdleScheduleBatch:
+    return IdleScheduleBatch(forward_mode=ForwardMode.IDLE, seq_lens=torch.empty(0, dtype=torch.int64),
+                             seq_lens_cpu=torch.empty(0, dtype=torch.int64), req_pool_indices=torch.empty(0),
+                             return_logprob=False, spec_info=None)
+
+
+def make_v1_worker():
+    from sglang.srt.speculative.multi_layer_eagle_worker import MultiLayerEagleWorker
+
+    seen: list = []
+    worker = object.__new__(MultiLayerEagleWorker)
+    worker.speculative_num_steps = NUM_STEPS
+    worker.topk = 1
+    worker.device = "cpu"
+    worker.speculative_algorithm = SimpleNamespace(is_standalone=lambda: False)
+    worker.model_runner_list = [RecordingStepRunner(step, seen) for step in range(NUM_STEPS)]
+    worker.cuda_graph_runner_for_draft_extend_list = []
+    return worker, seen
+
+
+def test_v1_draft_extend_after_prefill_binds_each_step():
+    worker, seen = make_v1_worker()
+    worker.forward_draft_extend(idle_schedule_batch(), torch.empty(0, 8), torch.empty(0, dtype=torch.int64), None)
+    assert_each_step_used_its_own(seen)
+
+
+def test_v1_draft_extend_after_decode_eager_binds_each_step():
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+
+    worker, seen = make_v1_worker()
+    model_config = SimpleNamespace(spec_hidden_size=8, dtype=torch.float32)
+    worker.speculative_algorithm = SimpleNamespace(is_standalone=lambda: False, is_eagle3=lambda: False)
+    worker.target_worker = SimpleNamespace(model_runner=SimpleNamespace(model_config=model_config))
+    batch = idle_schedule_batch()
+    # An empty draft-extend input: every request of the batch finished (or the rank is idle).
+    batch.spec_info = EagleDraftExtendInput.create_idle_input(
+        device="cpu", hidden_size=8, dtype=torch.float32, capture_hidden_mode=None)
+    worker.forward_draft_extend_after_decode(batch)
+    assert_each_step_used_its_own(seen)
