@@ -399,3 +399,20 @@ class SimEngine:
             if live:
                 batch = self.rng.sample(live, self.rng.randrange(1, len(live) + 1))
                 self.spec_round(batch) if spec and self.eagle else self.decode(batch)
+
+
+def draft_step_batch(engine: "SimEngine", step: int) -> Batch:
+    """The batch of inner draft step `step` over every admitted request (slots ensured)."""
+    reqs = list(engine.reqs.values())
+    for r in reqs:
+        engine._ensure_slots(r, r.kv_len + engine.num_steps)
+    return Batch(
+        forward_mode=Mode.DECODE,
+        batch_size=len(reqs),
+        req_pool_indices=torch.tensor([r.row for r in reqs]),
+        positions=torch.tensor([r.kv_len + step for r in reqs]),
+        input_ids=torch.tensor([5] * len(reqs)),
+        out_cache_loc=torch.tensor([int(engine.r2t[r.row, r.kv_len + step]) for r in reqs]),
+        token_to_kv_pool=engine.draft_pool,
+        rids=[r.rid for r in reqs],
+    )

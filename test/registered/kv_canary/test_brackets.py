@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canary_sim import Batch, Mode, SimEngine
+from canary_sim import Batch, SimEngine, draft_step_batch
 from sglang.srt.kv_canary import api
 from sglang.srt.kv_canary.config import CanaryMode
 from sglang.srt.kv_canary.manager import CanaryBracketError
@@ -21,22 +21,6 @@ def engine():
     return e
 
 
-def _draft_step_batch(engine, step: int) -> Batch:
-    reqs = list(engine.reqs.values())
-    for r in reqs:
-        engine._ensure_slots(r, r.kv_len + engine.num_steps)
-    return Batch(
-        forward_mode=Mode.DECODE,
-        batch_size=len(reqs),
-        req_pool_indices=torch.tensor([r.row for r in reqs]),
-        positions=torch.tensor([r.kv_len + step for r in reqs]),
-        input_ids=torch.tensor([5] * len(reqs)),
-        out_cache_loc=torch.tensor([int(engine.r2t[r.row, r.kv_len + step]) for r in reqs]),
-        token_to_kv_pool=engine.draft_pool,
-        rids=[r.rid for r in reqs],
-    )
-
-
 def test_nested_activation_is_an_error(engine):
     with engine.draft.with_active_single_forward_manager(0):
         with pytest.raises(CanaryBracketError, match="nested"):
@@ -48,7 +32,7 @@ def test_nested_activation_is_an_error(engine):
 
 
 def test_nested_outside_bracket_is_an_error(engine):
-    batch = _draft_step_batch(engine, 0)
+    batch = draft_step_batch(engine, 0)
     with engine.draft.with_ops_outside_graph([0, 1], batch):
         with pytest.raises(CanaryBracketError, match="nested"):
             with engine.draft.with_ops_outside_graph([2], batch):
@@ -60,12 +44,12 @@ def test_index_out_of_range_is_an_error(engine):
         with engine.draft.with_active_single_forward_manager(3):  # num_steps - 1 == 3 forwards: 0..2
             pass
     with pytest.raises(CanaryBracketError, match="out of range"):
-        with engine.draft.with_ops_outside_graph([0, 5], _draft_step_batch(engine, 0)):
+        with engine.draft.with_ops_outside_graph([0, 5], draft_step_batch(engine, 0)):
             pass
 
 
 def test_pre_op_outside_any_bracket_is_an_error(engine):
-    batch = _draft_step_batch(engine, 0)
+    batch = draft_step_batch(engine, 0)
     with engine.draft.with_active_single_forward_manager(0):
         with pytest.raises(CanaryBracketError, match="outside with_ops_outside_graph"):
             engine.draft.pre_ops_maybe_inside_graph(batch)
@@ -75,7 +59,7 @@ def test_pre_op_outside_any_bracket_is_an_error(engine):
 
 
 def test_pre_op_on_a_step_the_bracket_did_not_stage_is_an_error(engine):
-    batch = _draft_step_batch(engine, 2)
+    batch = draft_step_batch(engine, 2)
     with engine.draft.with_ops_outside_graph([0, 1], batch):
         with engine.draft.with_active_single_forward_manager(2):
             with pytest.raises(CanaryBracketError, match="draft step 2"):
@@ -83,14 +67,14 @@ def test_pre_op_on_a_step_the_bracket_did_not_stage_is_an_error(engine):
 
 
 def test_draft_pre_op_needs_an_active_step(engine):
-    batch = _draft_step_batch(engine, 0)
+    batch = draft_step_batch(engine, 0)
     with engine.draft.with_ops_outside_graph([0, 1, 2], batch):
         with pytest.raises(CanaryBracketError, match="needs with_active_single_forward_manager"):
             engine.draft.pre_ops_maybe_inside_graph(batch)
 
 
 def test_pre_op_during_capture_is_allowed_and_touches_nothing(engine):
-    batch = _draft_step_batch(engine, 0)
+    batch = draft_step_batch(engine, 0)
     before = engine.draft.group.slot_fp.clone()
     with engine.draft.capturing(), engine.draft.with_active_single_forward_manager(1):
         engine.draft.pre_ops_maybe_inside_graph(batch)
@@ -98,7 +82,7 @@ def test_pre_op_during_capture_is_allowed_and_touches_nothing(engine):
 
 
 def test_capture_inside_a_bracket_restores_the_staged_plan(engine):
-    batch = _draft_step_batch(engine, 0)
+    batch = draft_step_batch(engine, 0)
     with engine.draft.with_ops_outside_graph([0], batch):
         staged = engine.draft.single_forwards[0].live_rows.clone()
         with engine.draft.capturing():
@@ -112,7 +96,7 @@ def test_capture_inside_a_bracket_restores_the_staged_plan(engine):
 def test_pre_ops_dispatch_to_the_active_steps_single_forward(engine):
     """Each draft step's checks land in its own single forward's sink, and are reported under
     its own name."""
-    staged = _draft_step_batch(engine, 0)
+    staged = draft_step_batch(engine, 0)
     sinks = [sf.sink for sf in engine.draft.single_forwards]
     seen_checks = []
 
@@ -122,7 +106,7 @@ def test_pre_ops_dispatch_to_the_active_steps_single_forward(engine):
     with engine.draft.with_ops_outside_graph([0, 1, 2], staged):
         for step in (0, 2):
             with engine.draft.with_active_single_forward_manager(step):
-                engine.draft.pre_ops_maybe_inside_graph(_draft_step_batch(engine, step))
+                engine.draft.pre_ops_maybe_inside_graph(draft_step_batch(engine, step))
             record_checks(step)
     prefix = sum(r.kv_len for r in engine.reqs.values())
     assert seen_checks == [[prefix, 0, 0], [prefix, 0, prefix]]
@@ -135,11 +119,11 @@ def test_violations_are_reported_under_the_steps_name(engine):
     req = next(iter(engine.reqs.values()))
     slot = int(engine.r2t[req.row, 1])
     engine.draft.group.slot_fp[slot] ^= 8  # corrupt one draft slot
-    staged = _draft_step_batch(engine, 0)
+    staged = draft_step_batch(engine, 0)
     with pytest.raises(KVCanaryViolationError) as err:
         with engine.draft.with_ops_outside_graph([0, 1, 2], staged):
             with engine.draft.with_active_single_forward_manager(1):
-                engine.draft.pre_ops_maybe_inside_graph(_draft_step_batch(engine, 1))
+                engine.draft.pre_ops_maybe_inside_graph(draft_step_batch(engine, 1))
     (violation,) = err.value.violations
     assert (violation.group, violation.rid, violation.position, violation.slot) == ("draft step 1", req.rid, 1, slot)
 
@@ -155,7 +139,7 @@ def test_log_mode_counts_without_raising():
 
 
 def test_an_exception_inside_the_bracket_discards_and_propagates(engine):
-    staged = _draft_step_batch(engine, 0)
+    staged = draft_step_batch(engine, 0)
     with pytest.raises(ZeroDivisionError):
         with engine.draft.with_ops_outside_graph([0, 1], staged):
             1 / 0
@@ -168,6 +152,6 @@ def test_draft_extend_brackets_stage_single_forward_zero(engine):
     req = next(iter(engine.reqs.values()))
     engine.spec_round([req])  # runs draft extend v2 through api.draft_extend_brackets
     assert engine.draft.reporter.stats.checks_by_group["draft step 0"] > 0
-    with api.draft_extend_brackets(engine.draft, _draft_step_batch(engine, 0)):
+    with api.draft_extend_brackets(engine.draft, draft_step_batch(engine, 0)):
         assert engine.draft.single_forwards[0].is_staged and engine.draft._active == 0
     assert not engine.draft.single_forwards[0].is_staged and engine.draft._active is None

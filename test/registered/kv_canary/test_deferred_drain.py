@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from canary_sim import SimEngine
-from test_brackets import _draft_step_batch
+from canary_sim import SimEngine, draft_step_batch
 from sglang.srt.kv_canary.config import CanaryMode, parse_canary_config
 from sglang.srt.kv_canary.report import KVCanaryViolationError
 from sglang.srt.kv_canary.single_forward import SingleForwardCanary
@@ -56,7 +55,7 @@ def deferred(monkeypatch):
         return [SimpleNamespace(describe=lambda: f"violation in {label}")] if label in bad_labels else []
 
     monkeypatch.setattr(manager.reporter, "report", report)
-    batch = _draft_step_batch(engine, 0)
+    batch = draft_step_batch(engine, 0)
     return SimpleNamespace(manager=manager, gates=gates, reported=reported, bad=bad_labels, batch=batch)
 
 
