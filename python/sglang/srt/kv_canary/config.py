@@ -57,8 +57,8 @@ def parse_canary_config(
 ) -> CanaryConfig:
     """Build the config from explicit values, falling back to the environment for unset ones.
 
-    Explicit values are what a server flag will pass later; a bad value raises ValueError naming
-    the variable (or the flag's value) it came from.
+    Explicit values come from --kv-canary / --kv-canary-sample-every; a bad value raises
+    ValueError naming the variable (or the flag's value) it came from.
     """
     env = os.environ if env is None else env
     mode_source = "mode" if mode is not None else ENV_MODE
