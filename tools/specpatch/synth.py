@@ -199,6 +199,19 @@ def successor_table(model_dir: str | Path, device="cpu") -> torch.Tensor:
     return successor_from_weights(w["model.embed_tokens.weight"], w["lm_head.weight"])
 
 
+def table_continuations(model_dir: str | Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The target's greedy continuation of each prompt: n steps along its successor table."""
+    successor = successor_table(model_dir).tolist()
+    out = []
+    for prompt in prompts:
+        token, tokens = prompt[-1], []
+        for _ in range(n):
+            token = successor[token]
+            tokens.append(token)
+        out.append(tokens)
+    return out
+
+
 def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu") -> TargetInfo:
     out_dir = Path(out_dir)
     gen = torch.Generator(device=device).manual_seed(spec.seed)

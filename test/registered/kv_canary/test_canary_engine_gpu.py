@@ -31,24 +31,12 @@ def canary_env(**values):
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def table_continuations(target, prompts, n):
-    successor = synth.successor_table(target)
-    out = []
-    for prompt in prompts:
-        token, tokens = prompt[-1], []
-        for _ in range(n):
-            token = int(successor[token])
-            tokens.append(token)
-        out.append(tokens)
-    return out
-
-
 @pytest.mark.parametrize("spec", [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)], ids=lambda s: s.label)
 def test_raise_mode_sees_no_violation_in_2000_requests_with_retraction(toy_pair, capfd, spec, record_metric):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = eng.random_prompts(2000, vocab, seed=11, min_len=8, max_len=80)
-    expected = table_continuations(target, prompts, 48)
+    expected = synth.table_continuations(target, prompts, 48)
     # A chain reserves so little KV per request that admission control alone avoids running out;
     # the scheduler's test switch retracts on purpose then.
     forced = {"SGLANG_TEST_RETRACT": "1"} if spec.topk == 1 else {}

@@ -97,6 +97,8 @@ def test_transformers_loads_it_and_agrees(toy_target):
     for row in out:
         chain = row[3:]
         assert torch.equal(chain[1:], successor[chain[:-1]])
+    # what the GPU tests compare engines against
+    assert out[:, 4:].tolist() == synth.table_continuations(toy_target, prompt.tolist(), 24)
     torch.testing.assert_close(synth.reference_target_logits(toy_target, prompt), hf_logits, atol=2e-3, rtol=1e-3)
 
 

@@ -15,14 +15,6 @@ NUM_PROMPTS, MAX_NEW_TOKENS = 32, 128
 CHAIN = eng.SpecConfig(topk=1, num_steps=3, num_draft_tokens=4)
 
 
-def table_continuation(successor, prompt: list[int], n: int) -> list[int]:
-    out, token = [], prompt[-1]
-    for _ in range(n):
-        token = int(successor[token])
-        out.append(token)
-    return out
-
-
 @pytest.fixture(scope="module")
 def prompts(toy_pair):
     vocab = synth.load_meta(toy_pair[0])["spec"]["vocab"]
@@ -38,8 +30,7 @@ def no_spec_run(toy_pair, prompts):
 
 
 def test_no_spec_follows_the_bigram_table(toy_pair, prompts, no_spec_run, record_metric):
-    successor = synth.successor_table(toy_pair[0])
-    expected = [table_continuation(successor, p, MAX_NEW_TOKENS) for p in prompts]
+    expected = synth.table_continuations(toy_pair[0], prompts, MAX_NEW_TOKENS)
     assert no_spec_run.output_ids == expected
     record_metric("no_spec_tok_per_s", round(no_spec_run.tok_per_s, 1))
 
@@ -92,8 +83,7 @@ def test_http_server_with_eagle(toy_pair, prompts, spec, record_metric):
         }, timeout=120)
         resp.raise_for_status()
         outs = resp.json()
-        successor = synth.successor_table(target)
-        assert [o["output_ids"] for o in outs] == [table_continuation(successor, p, 64) for p in batch]
+        assert [o["output_ids"] for o in outs] == synth.table_continuations(target, batch, 64)
         assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
         metrics = requests.get(f"{base}/metrics", timeout=10).text
         assert "sglang:spec_accept_length" in metrics

@@ -30,18 +30,6 @@ TREE_SHAPES = [
 ]
 
 
-def table_continuations(target, prompts: list[list[int]], n: int) -> list[list[int]]:
-    successor = synth.successor_table(target)
-    out = []
-    for prompt in prompts:
-        token, tokens = prompt[-1], []
-        for _ in range(n):
-            token = int(successor[token])
-            tokens.append(token)
-        out.append(tokens)
-    return out
-
-
 @pytest.fixture(scope="module")
 def prompts(toy_pair):
     vocab = synth.load_meta(toy_pair[0])["spec"]["vocab"]
@@ -57,7 +45,7 @@ def assert_identical(run, expected, label):
                          ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in TREE_SHAPES])
 def test_tree_v2_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_graph, record_metric):
     target, draft = toy_pair
-    expected = table_continuations(target, prompts, MAX_NEW_TOKENS)
+    expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
     with eng.engine(**eng.engine_kwargs(target, draft, spec, cuda_graph=cuda_graph)) as e:
         assert e.server_args.disable_overlap_schedule is False, "tree drafting fell back to spec v1"
         eng.generate(e, prompts[:2], 8)
@@ -79,7 +67,7 @@ def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(toy_pair, cap
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     many = eng.random_prompts(256, vocab, seed=7, min_len=16, max_len=96)
-    expected = table_continuations(target, many, 128)
+    expected = synth.table_continuations(target, many, 128)
     spec = eng.SpecConfig(4, 3, 8)
     kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=256, max_total_tokens=12000)
     with eng.engine(**kwargs) as e:
@@ -101,7 +89,7 @@ def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(toy_pair, cap
 def test_tree_v2_sampling_completes_with_valid_tokens(toy_pair, prompts, record_metric):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
-    expected = table_continuations(target, prompts, MAX_NEW_TOKENS)
+    expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
     with eng.engine(**eng.engine_kwargs(target, draft, eng.SpecConfig(4, 3, 8))) as e:
         run = eng.generate(e, prompts, MAX_NEW_TOKENS, temperature=1.0)
     assert all(len(out) == MAX_NEW_TOKENS for out in run.output_ids)
@@ -117,7 +105,7 @@ def test_tree_v2_sampling_completes_with_valid_tokens(toy_pair, prompts, record_
 def test_tree_v2_logprobs_and_stop_inside_an_accepted_path(toy_pair, prompts):
     """max_new_tokens that ends mid-path, and logprobs gathered along the tree path."""
     target, draft = toy_pair
-    expected = table_continuations(target, prompts[:8], 13)
+    expected = synth.table_continuations(target, prompts[:8], 13)
     with eng.engine(**eng.engine_kwargs(target, draft, eng.SpecConfig(4, 3, 8))) as e:
         outs = e.generate(input_ids=prompts[:8], return_logprob=True,
                           sampling_params=dict(temperature=0, max_new_tokens=13, ignore_eos=True))
