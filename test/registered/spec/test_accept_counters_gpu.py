@@ -2,8 +2,10 @@
 
 Draft trees come from the real draft_forward (general path, any topk) and build_tree_kernel_efficient;
 EagleVerifyInput.sample runs the real verify kernel. Its outputs are checked against a plain-torch
-greedy tree walk, and the counter contract: accept_lens (drafts + bonus) == num_correct_drafts + 1,
-1 <= accept_lens <= num_steps + 1, and the draft-extend attention's extend lengths == num_accept_tokens.
+greedy tree walk, and the counter contract: sample() returns num_correct_drafts (drafts only) and
+accept_lens (drafts + bonus) == num_correct_drafts + 1, 1 <= accept_lens <= num_steps + 1, and the
+draft-extend attention's extend lengths == num_accept_tokens. End to end, the scheduler's accept-length
+metric (built from both counters) agrees with the requests' own counters.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specpatch.engine import SpecConfig
 from specpatch.fake_draft import TableDraftRunner, make_draft_worker, make_forward_batch
 
 pytestmark = pytest.mark.gpu
@@ -90,14 +93,16 @@ def test_verify_counters_match_reference_walk(bs, topk, num_steps, num_draft_tok
                             input_ids=tree.candidates.flatten(),
                             sampling_info=SimpleNamespace(is_all_greedy=True, acc_additive_penalties=None,
                                                           acc_scaling_penalties=None, logit_bias=None))
-    predict, accept_lens, accept_index = verify.sample(batch, SimpleNamespace(next_token_logits=logits))
+    predict, num_correct_drafts, accept_lens, accept_index = verify.sample(
+        batch, SimpleNamespace(next_token_logits=logits))
 
     paths = reference_greedy_accept(tree.candidates, target_predict, tree.next_token, tree.next_sibling)
     expected_tokens = torch.tensor([len(p) for p in paths], device="cuda")  # drafts + bonus
-    num_correct_drafts = (accept_index != -1).sum(dim=1) - 1
     assert torch.equal(accept_lens.long(), expected_tokens)
-    assert torch.equal(accept_lens.long(), num_correct_drafts + 1)
-    assert int(accept_lens.min()) >= 1 and int(accept_lens.max()) <= num_steps + 1
+    assert torch.equal(num_correct_drafts.long(), expected_tokens - 1)
+    assert torch.equal(num_correct_drafts.long(), (accept_index != -1).sum(dim=1) - 1)
+    assert int(num_correct_drafts.min()) >= 0 and int(accept_lens.min()) >= 1
+    assert int(accept_lens.max()) <= num_steps + 1
     for b, path in enumerate(paths):
         # accept_index holds flat positions of the accepted nodes; predict there holds the next token
         flat = [b * num_draft_tokens + n for n in path]
@@ -120,3 +125,26 @@ def test_draft_extend_attention_extend_lengths_are_num_accept_tokens():
     _, _, qo_indptr, _ = spec_info.generate_attn_arg_prefill(
         torch.arange(bs, device="cuda"), seq_lens, int(seq_lens.sum()), req_to_token)
     assert torch.equal(qo_indptr.diff().int(), spec_info.num_accept_tokens)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(1, 3, 4), SpecConfig(4, 3, 8), SpecConfig(4, 3, 8, overlap=False)],
+                         ids=lambda s: s.label)
+def test_scheduler_accept_length_metric_agrees_with_request_counters(toy_pair, spec, record_metric):
+    from specpatch import engine as eng
+    from specpatch import synth
+
+    target, draft = toy_pair
+    prompts = eng.random_prompts(16, synth.load_meta(target)["spec"]["vocab"], seed=11)
+    # decode_log_interval=1 folds every step into the lifetime totals the metric reads.
+    with eng.engine(**eng.engine_kwargs(target, draft, spec, decode_log_interval=1)) as e:
+        run = eng.generate(e, prompts, 64)
+        states = e.get_server_info()["internal_states"]
+    metric = states[0]["avg_spec_accept_length"]
+    # Per request: drafts + one bonus per verify step. The requests' counters skip the step a
+    # request finishes in, the metric counts it: they agree to within that last step.
+    drafts = sum(m["spec_accepted_drafts"] for m in run.meta)
+    per_request = (drafts + run.verify_count) / run.verify_count
+    record_metric("metric_accept_length", round(metric, 3))
+    record_metric("request_accept_length", round(per_request, 3))
+    assert 1.0 < metric <= spec.num_steps + 1
+    assert metric == pytest.approx(per_request, rel=0.1)
