@@ -6,15 +6,12 @@ is reported here as its own test."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 import kernel_cases
+from specpatch.interpret import run_under_interpreter
 
 HERE = Path(__file__).resolve().parent
 INNER = HERE / "interpreter_cases.py"
@@ -30,25 +27,10 @@ INNER_TESTS = (
 @pytest.fixture(scope="module")
 def interpreter_run(tmp_path_factory):
     report = tmp_path_factory.mktemp("interp") / "junit.xml"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(INNER),
-         f"--junitxml={report}",
-         # numpy >= 2.5 refuses what older numpy only warns about; fail the same way everywhere
-         "-W", "error:Conversion of an array with ndim:DeprecationWarning"],
-        cwd=HERE.parents[2], env=env, capture_output=True, text=True, timeout=900,
-    )
-    if not report.exists():
-        pytest.fail(f"interpreter run wrote no report (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    outcomes = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-        skipped = case.find("skipped")
-        outcomes[case.get("name")] = (
-            "failed: " + (bad.get("message") or "")[:2000] if bad is not None
-            else "skipped: " + (skipped.get("message") or "") if skipped is not None else "passed"
-        )
-    return outcomes, proc.stdout[-4000:]
+    try:
+        return run_under_interpreter(INNER, report, cwd=HERE.parents[2])
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 @pytest.mark.parametrize("name", INNER_TESTS)

@@ -1,0 +1,41 @@
+"""Run a pytest file under triton's CPU interpreter and collect each test's outcome.
+
+TRITON_INTERPRET must be set before triton compiles anything, and the rest of a test session runs
+without it, so the file runs in a fresh process; its junit report comes back as
+{test name: "passed" | "failed: ..." | "skipped: ..."}. torch.compile is switched off in that
+process: the interpreter runs triton kernels, and the torch.compile'd helpers next to them are
+plain torch, which eager mode runs the same way without a C++ toolchain.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_under_interpreter(test_file: Path, report: Path, *, cwd: Path, timeout: int = 900) -> tuple[dict[str, str], str]:
+    """Outcome per test name, and the tail of the run's output (for failure messages)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(test_file),
+         f"--junitxml={report}",
+         # numpy >= 2.5 refuses what older numpy only warns about; fail the same way everywhere
+         "-W", "error:Conversion of an array with ndim:DeprecationWarning"],
+        cwd=cwd, env={**os.environ, **INTERPRETER_ENV}, capture_output=True, text=True, timeout=timeout,
+    )
+    tail = f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    if not report.exists():
+        raise RuntimeError(f"interpreter run of {test_file.name} wrote no report ({tail})")
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skipped = case.find("skipped")
+        outcomes[case.get("name")] = (
+            "failed: " + (bad.get("message") or "")[:2000] if bad is not None
+            else "skipped: " + (skipped.get("message") or "") if skipped is not None else "passed"
+        )
+    return outcomes, tail
