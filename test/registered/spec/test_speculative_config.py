@@ -118,6 +118,8 @@ BASE = dict(topk=4, page_size=1, overlap_disabled=False, spec_v2_env_enabled=Tru
      "without recurrent state; the target (Qwen3NextConfig)"),
     ({"multi_layer": True}, False, "multi-layer EAGLE drafts chains"),
     ({"attention_backends": {"triton", "flashinfer"}}, False, "got flashinfer"),
+    ({"dp_attention": True}, False, "got --enable-dp-attention"),
+    ({"topk": 1, "dp_attention": True}, True, None),
 ])
 def test_spec_version_decision_table(change, use_v2, reason):
     version = hook.choose_spec_version(**{**BASE, **change})
@@ -126,6 +128,19 @@ def test_spec_version_decision_table(change, use_v2, reason):
         assert version.spec_v1_reason is None
     else:
         assert reason in version.spec_v1_reason
+
+
+def test_dp_attention_tree_runs_spec_v1_with_one_warning(caplog):
+    server_args = SimpleNamespace(
+        speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8, page_size=1,
+        attention_backend="triton", decode_attention_backend=None, prefill_attention_backend=None,
+        disable_overlap_schedule=False, enable_multi_layer_eagle=False, enable_dp_attention=True,
+        speculative_algorithm="EAGLE")
+    with caplog.at_level(logging.WARNING):
+        hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
+    assert server_args.disable_overlap_schedule is True
+    [message] = spec_warnings(caplog)
+    assert message.startswith("Spec v1") and "--enable-dp-attention" in message
 
 
 def test_recurrent_targets_are_recognised():

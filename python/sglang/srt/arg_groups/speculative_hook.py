@@ -9,9 +9,9 @@ The decisions, in order (`handle_eagle_family`):
    can produce.
 2. Which scheduler runs it: spec v2 (the overlap scheduler) or spec v1. Tree drafting runs on
    spec v2 only where its accepted-path compaction is implemented and tested: page_size == 1,
-   no recurrent (mamba / linear-attention) state, a backend with spec-v2 tree metadata, and not
-   the multi-layer (MTP) worker, which drafts chains only. Anything else runs spec v1 and says
-   why in exactly one warning.
+   no recurrent (mamba / linear-attention) state, a backend with spec-v2 tree metadata, not
+   the multi-layer (MTP) worker, which drafts chains only, and no DP attention (idle ranks get
+   no tree metadata yet). Anything else runs spec v1 and says why in exactly one warning.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ def choose_spec_version(
     multi_layer: bool,
     recurrent_reason: Optional[str],
     attention_backends: Iterable[str],
+    dp_attention: bool = False,
 ) -> SpecVersion:
     """Spec v2 unless the user or a tree-drafting limit says otherwise (first reason wins)."""
     if overlap_disabled:
@@ -158,6 +159,10 @@ def choose_spec_version(
         return SpecVersion(False, prefix + f"a target without recurrent state; {recurrent_reason}")
     if multi_layer:
         return SpecVersion(False, prefix + "the single-layer draft worker; multi-layer EAGLE drafts chains")
+    if dp_attention:
+        # An idle DP rank still runs the verify and draft-extend of the MLP sync; their tree
+        # metadata for an empty batch is not built yet (spec v1 handles it).
+        return SpecVersion(False, prefix + "attention without data parallelism, got --enable-dp-attention")
     unsupported = sorted(set(attention_backends) - SPEC_V2_TREE_ATTENTION_BACKENDS)
     if unsupported:
         return SpecVersion(
@@ -213,6 +218,7 @@ def handle_eagle_family(server_args: ServerArgs, hf_config, spec_v2_env_enabled:
         multi_layer=server_args.enable_multi_layer_eagle,
         recurrent_reason=recurrent_layer_reason(hf_config) if topk > 1 else None,
         attention_backends=backends,
+        dp_attention=server_args.enable_dp_attention,
     )
     server_args.disable_overlap_schedule = not version.use_spec_v2
     if version.use_spec_v2:
