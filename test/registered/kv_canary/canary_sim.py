@@ -247,9 +247,16 @@ class SimEngine:
 
     def decode(self, reqs: list[Req]) -> None:
         """One plain decode step: the last sampled token goes into KV, a new one is sampled."""
+        self.forward(self.target, self.decode_batch(reqs))
+        for req in reqs:
+            req.kv_len += 1
+            req.tokens.append(self._token())
+
+    def decode_batch(self, reqs: list[Req]) -> Batch:
+        """The target batch of a decode step over reqs (their next slot allocated)."""
         for req in reqs:
             self._ensure_slots(req, req.kv_len + 1)
-        batch = Batch(
+        return Batch(
             forward_mode=Mode.DECODE,
             batch_size=len(reqs),
             req_pool_indices=self._t([r.row for r in reqs]),
@@ -259,10 +266,6 @@ class SimEngine:
             token_to_kv_pool=self.target_pool,
             rids=[r.rid for r in reqs],
         )
-        self.forward(self.target, batch)
-        for req in reqs:
-            req.kv_len += 1
-            req.tokens.append(self._token())
 
     def spec_round(self, reqs: list[Req]) -> None:
         bs, topk, steps, ndt = len(reqs), self.topk, self.num_steps, self.num_draft_tokens

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from canary_sim import Batch, Mode, SimEngine, draft_step_batch
+from canary_sim import Batch, SimEngine, draft_step_batch
 from sglang.srt.kv_canary.config import CanaryMode
 
 pytestmark = pytest.mark.gpu
@@ -46,19 +46,7 @@ def _batches(engine: SimEngine) -> tuple[Batch, Batch]:
     """A target decode batch and an inner-draft-step batch over three admitted requests, built
     (host-to-device copies included) before anything is profiled."""
     reqs = [engine.admit(prompt_len=12) for _ in range(3)]
-    for r in reqs:
-        engine._ensure_slots(r, r.kv_len + 1)
-    decode = Batch(
-        forward_mode=Mode.DECODE,
-        batch_size=len(reqs),
-        req_pool_indices=torch.tensor([r.row for r in reqs]),
-        positions=torch.tensor([r.kv_len for r in reqs]),
-        input_ids=torch.tensor([r.tokens[r.kv_len] for r in reqs]),
-        out_cache_loc=torch.tensor([int(engine.r2t[r.row, r.kv_len]) for r in reqs]),
-        token_to_kv_pool=engine.target_pool,
-        rids=[r.rid for r in reqs],
-    )
-    return _on_cuda(decode), _on_cuda(draft_step_batch(engine, 0))
+    return engine.decode_batch(reqs), _on_cuda(draft_step_batch(engine, 0))
 
 
 def _every_call_site(engine: SimEngine, decode: Batch, draft_extend: Batch, draft_step: Batch) -> None:
