@@ -33,11 +33,7 @@ def measure(target, draft, spec, mode: str, batch_sizes, max_new_tokens, vocab, 
     rows = []
     with eng.engine(**eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes))) as e:
         for bs in batch_sizes:
-            prompts = eng.random_prompts(bs, vocab, seed=bs)
-            # A full-length pass first: the engines run one after another, so the first one would
-            # otherwise pay triton's JIT compiles inside its timed runs and flatter the later ones.
-            eng.generate(e, prompts, max_new_tokens)
-            best = max((eng.generate(e, prompts, max_new_tokens) for _ in range(repeats)), key=lambda r: r.tok_per_s)
+            best = eng.best_of(e, eng.random_prompts(bs, vocab, seed=bs), max_new_tokens, repeats)
             rows.append({"topk": spec.topk, "canary": mode, "bs": bs, "tok_per_s": best.tok_per_s,
                          "accept_length": best.accept_length})
     return rows

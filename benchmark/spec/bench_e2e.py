@@ -47,11 +47,8 @@ def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: in
     try:
         with eng.engine(**eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes))) as e:
             for bs in batch_sizes:
-                prompts = eng.random_prompts(bs, vocab, seed=bs)
-                eng.generate(e, prompts, 16)  # warm-up at this batch size
                 # Best of `repeats`: these machines are noisy and we compare configs, not noise.
-                runs = [eng.generate(e, prompts, max_new_tokens) for _ in range(repeats)]
-                best = max(runs, key=lambda r: r.tok_per_s)
+                best = eng.best_of(e, eng.random_prompts(bs, vocab, seed=bs), max_new_tokens, repeats)
                 rows.append({"config": name, "bs": bs, "tok_per_s": best.tok_per_s,
                              "accept_length": best.accept_length if spec else 1.0})
     finally:
