@@ -481,16 +481,17 @@ def test_gpu_mla_and_nsa_moves(kind, case):
 
 
 @pytest.mark.gpu
-def test_gpu_out_of_range_slot_is_a_device_assert():
+@pytest.mark.parametrize("bad", [10, -1])
+def test_gpu_out_of_range_slot_is_a_device_assert(bad):
     # A device assert poisons the CUDA context, so it runs in a child process.
     code = textwrap.dedent(
-        """
+        f"""
         import torch
         from sglang.srt.mem_cache import kv_move
         kv_move.check_slots_in_range(torch.tensor([3, 9], device="cuda"), 10, "ok")
         torch.cuda.synchronize()
         print("in-range passed", flush=True)
-        kv_move.check_slots_in_range(torch.tensor([3, 10], device="cuda"), 10, "Pool tgt_loc")
+        kv_move.check_slots_in_range(torch.tensor([3, {bad}], device="cuda"), 10, "Pool tgt_loc")
         torch.cuda.synchronize()
         print("NOT REACHED", flush=True)
         """

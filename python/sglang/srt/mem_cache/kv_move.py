@@ -12,7 +12,7 @@ wrap around to the end of a buffer. On CUDA the check is an async device assert 
 sync in the decode loop); on CPU it raises IndexError.
 
 memory_pool.py calls in here from thin call sites (patch 0004); this module imports only torch
-at load time, so memory_pool.py can import it without a cycle.
+and triton at load time, so memory_pool.py can import it without a cycle.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 # ---------------------------------------------------------------------------------------------
 # Checks
@@ -42,11 +44,21 @@ def check_slots_in_range(loc: torch.Tensor, num_slots: int, what: str) -> None:
         return
     # Reading the verdict on the host would stall the decode loop on every verify. The device
     # assert traps in the stream ahead of the move kernels and leaves the CUDA context failed,
-    # so nothing runs on the bad slot.
-    torch._assert_async(
-        torch.all((loc >= 0) & (loc < num_slots)),
-        f"{what}: a slot is outside the pool's slots [0, {num_slots})",
+    # so nothing runs on the bad slot. One kernel: the decode loop at small batch is bound by
+    # launches, and the torch spelling (ge, lt, and, all, assert) is five.
+    block = 1024
+    _assert_slots_in_range_kernel[(triton.cdiv(loc.numel(), block),)](
+        loc.reshape(-1), loc.numel(), num_slots, BLOCK=block
     )
+
+
+# debug=True compiles device_assert in (it is dropped otherwise). The message is fixed at
+# compile time, so it names the check, not the pool: the caller's traceback names the pool.
+@triton.jit(debug=True)
+def _assert_slots_in_range_kernel(loc_ptr, n, num_slots, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    loc = tl.load(loc_ptr + offsets, mask=offsets < n, other=0)
+    tl.device_assert((loc >= 0) & (loc < num_slots), "move_kv_cache: a slot is outside the pool")
 
 
 def pool_slot_count(pool) -> int:

@@ -14,7 +14,10 @@ of the block. Rows past the path are left as they are: nothing reads them, and t
 stay allocated to the request (spec v2 over-allocates each request's block) and are
 overwritten by the next round.
 
-All operations are fixed-size and sync-free: rows that do not move copy onto themselves.
+All operations are fixed-size and sync-free. On CUDA one triton kernel moves predict and
+hidden_states and writes the KV slot moves, and the pool moves the KV: at bs 1 the decode loop
+is bound by kernel launches on the host, so the ~20 small torch ops of the plain version
+(plan_accepted_path_moves + compact_rows, kept as the reference and the CPU path) cost tok/s.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
+import triton
+import triton.language as tl
 
 from sglang.srt import kv_canary
 
@@ -57,14 +62,18 @@ def _front_rows(bs: int, max_accept: int, num_draft_tokens: int, device) -> torc
     return block_start[:, None] + torch.arange(max_accept, dtype=torch.int64, device=device)
 
 
-def plan_accepted_path_moves(accept_index: torch.Tensor, num_draft_tokens: int) -> AcceptedPathMoves:
-    """accept_index: [bs, max_accept] flat rows of the accepted path, -1 past its end."""
-    bs, max_accept = accept_index.shape
+def _check_path_fits(max_accept: int, num_draft_tokens: int) -> None:
     if max_accept > num_draft_tokens:
         raise ValueError(
             f"an accepted path of up to {max_accept} nodes does not fit a block of "
             f"{num_draft_tokens} draft tokens"
         )
+
+
+def plan_accepted_path_moves(accept_index: torch.Tensor, num_draft_tokens: int) -> AcceptedPathMoves:
+    """accept_index: [bs, max_accept] flat rows of the accepted path, -1 past its end."""
+    bs, max_accept = accept_index.shape
+    _check_path_fits(max_accept, num_draft_tokens)
     front = _front_rows(bs, max_accept, num_draft_tokens, accept_index.device)
     path = accept_index.to(torch.int64)
     src = torch.where(path >= 0, path, front)
@@ -80,6 +89,112 @@ def compact_rows(rows: torch.Tensor, moves: AcceptedPathMoves) -> None:
     rows.index_copy_(0, moves.dst_rows, rows.index_select(0, moves.src_rows))
 
 
+@triton.jit
+def _compact_accepted_path_kernel(
+    accept_index_ptr,  # [bs, max_accept] flat rows of the path, -1 past its end
+    out_cache_loc_ptr,  # [bs * num_draft_tokens] KV slot of each row
+    predict_ptr,  # [bs * num_draft_tokens]
+    hidden_ptr,  # [bs * num_draft_tokens, hidden_size]; unused without HAS_HIDDEN
+    tgt_slots_ptr,  # [bs * max_accept] out
+    src_slots_ptr,  # [bs * max_accept] out
+    hidden_row_stride,
+    hidden_col_stride,
+    hidden_size,
+    max_accept,
+    num_draft_tokens,
+    MAX_ACCEPT_POW2: tl.constexpr,
+    HAS_HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Program (b, h): request b's path rows, hidden columns [h * BLOCK_H, (h + 1) * BLOCK_H).
+
+    Every program gathers all of its sources before a barrier and scatters after it, so a row
+    that is both a source and a target (a path that skips a node) is read first. Requests'
+    blocks are disjoint and column tiles split hidden rows, so programs never share a row.
+    """
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    i = tl.arange(0, MAX_ACCEPT_POW2)
+    on_path_slot = i < max_accept
+    path = tl.load(accept_index_ptr + b * max_accept + i, mask=on_path_slot, other=-1).to(tl.int64)
+    dst = b.to(tl.int64) * num_draft_tokens + i
+    moves = on_path_slot & (path >= 0) & (path != dst)
+    src = tl.where(moves, path, dst)
+
+    if tile == 0:
+        tl.store(tgt_slots_ptr + b * max_accept + i, tl.load(out_cache_loc_ptr + dst, mask=on_path_slot),
+                 mask=on_path_slot)
+        tl.store(src_slots_ptr + b * max_accept + i, tl.load(out_cache_loc_ptr + src, mask=on_path_slot),
+                 mask=on_path_slot)
+        tokens = tl.load(predict_ptr + src, mask=moves)
+        tl.debug_barrier()
+        tl.store(predict_ptr + dst, tokens, mask=moves)
+
+    if HAS_HIDDEN:
+        cols = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = moves[:, None] & (cols < hidden_size)[None, :]
+        col_offsets = cols[None, :] * hidden_col_stride
+        rows = tl.load(hidden_ptr + src[:, None] * hidden_row_stride + col_offsets, mask=mask)
+        tl.debug_barrier()
+        tl.store(hidden_ptr + dst[:, None] * hidden_row_stride + col_offsets, rows, mask=mask)
+
+
+def compact_path_rows_reference(
+    accept_index: torch.Tensor,
+    num_draft_tokens: int,
+    verify_out_cache_loc: torch.Tensor,
+    predict: torch.Tensor,
+    hidden_states: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: compact predict and hidden_states in place; return the KV slot moves
+    (tgt, src), each [bs * max_accept] int64, identity past the path."""
+    moves = plan_accepted_path_moves(accept_index, num_draft_tokens)
+    compact_rows(predict, moves)
+    if hidden_states is not None:
+        compact_rows(hidden_states, moves)
+    return (
+        verify_out_cache_loc.index_select(0, moves.dst_rows).to(torch.int64),
+        verify_out_cache_loc.index_select(0, moves.src_rows).to(torch.int64),
+    )
+
+
+def compact_path_rows_triton(
+    accept_index: torch.Tensor,
+    num_draft_tokens: int,
+    verify_out_cache_loc: torch.Tensor,
+    predict: torch.Tensor,
+    hidden_states: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """compact_path_rows_reference in one kernel launch."""
+    bs, max_accept = accept_index.shape
+    _check_path_fits(max_accept, num_draft_tokens)
+    tgt_slots = torch.empty(bs * max_accept, dtype=torch.int64, device=accept_index.device)
+    src_slots = torch.empty_like(tgt_slots)
+    if bs == 0:
+        return tgt_slots, src_slots
+    has_hidden = hidden_states is not None
+    hidden_size = hidden_states.shape[-1] if has_hidden else 0
+    block_h = 256
+    grid = (bs, triton.cdiv(hidden_size, block_h) if has_hidden else 1)
+    _compact_accepted_path_kernel[grid](
+        accept_index,
+        verify_out_cache_loc,
+        predict,
+        hidden_states if has_hidden else predict,
+        tgt_slots,
+        src_slots,
+        hidden_states.stride(0) if has_hidden else 0,
+        hidden_states.stride(-1) if has_hidden else 0,
+        hidden_size,
+        max_accept,
+        num_draft_tokens,
+        MAX_ACCEPT_POW2=triton.next_power_of_2(max_accept),
+        HAS_HIDDEN=has_hidden,
+        BLOCK_H=block_h,
+    )
+    return tgt_slots, src_slots
+
+
 def compact_accepted_tree_path(
     *,
     accept_index: torch.Tensor,
@@ -88,20 +203,17 @@ def compact_accepted_tree_path(
     kv_pool: MovableKVPool,
     predict: torch.Tensor,
     hidden_states: Optional[torch.Tensor],
-) -> AcceptedPathMoves:
+) -> None:
     """Compact KV slots, predict and hidden_states (when captured) of the accepted paths.
 
     accept_index: [bs, max_accept]; verify_out_cache_loc: [bs * num_draft_tokens], the KV slot
     verify wrote for each row; predict: [bs * num_draft_tokens]; hidden_states:
     [bs * num_draft_tokens, hidden] or None. predict and hidden_states change in place.
     """
-    moves = plan_accepted_path_moves(accept_index, num_draft_tokens)
-    tgt_slots = verify_out_cache_loc.index_select(0, moves.dst_rows)
-    src_slots = verify_out_cache_loc.index_select(0, moves.src_rows)
+    compact = compact_path_rows_triton if predict.is_cuda else compact_path_rows_reference
+    tgt_slots, src_slots = compact(
+        accept_index, num_draft_tokens, verify_out_cache_loc, predict, hidden_states
+    )
     kv_pool.move_kv_cache(tgt_slots, src_slots)
     # The KV canary's fingerprints travel with the K/V they describe (no-op when off).
     kv_canary.on_kv_move(kv_pool, tgt_slots, src_slots)
-    compact_rows(predict, moves)
-    if hidden_states is not None:
-        compact_rows(hidden_states, moves)
-    return moves

@@ -1,0 +1,102 @@
+"""The accepted-path compaction kernel against its plain-torch reference.
+
+Each case is a verify batch (accept_index, verify slots, predict, hidden states); `check` runs
+tree_compaction's triton kernel and its torch reference on copies and compares every output.
+Collected by test_tree_compaction_kernel.py: on CUDA directly, on CPU through triton's
+interpreter (this file's own test, which only runs with TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+from sglang.srt.speculative.tree_compaction import compact_path_rows_reference, compact_path_rows_triton
+
+
+@dataclass
+class Case:
+    name: str
+    # [bs, max_accept] flat rows of each accepted path, root first, -1 past its end
+    accept_index: torch.Tensor
+    num_draft_tokens: int
+    hidden_size: Optional[int]  # None: hidden states not captured
+    predict_dtype: torch.dtype = torch.int32
+    strided_hidden: bool = False  # hidden states as a column slice of a wider buffer
+
+
+def paths(lengths: list[int], num_draft_tokens: int, max_accept: int, seed: int, deepest=False):
+    """Increasing tree nodes from the root per request (what verify returns), -1 padded;
+    deepest=True takes the last nodes of the block, so every row but the root moves."""
+    rng = random.Random(seed)
+    accept_index = torch.full((len(lengths), max_accept), -1, dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        later = (list(range(num_draft_tokens - n + 1, num_draft_tokens)) if deepest
+                 else sorted(rng.sample(range(1, num_draft_tokens), n - 1)))
+        accept_index[b, :n] = torch.tensor([0] + later) + b * num_draft_tokens
+    return accept_index
+
+
+def _random_lengths(bs: int, max_accept: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(1, max_accept) for _ in range(bs)]
+
+
+CASES = [
+    Case("bs1-nothing-accepted", paths([1], 8, 4, 0), 8, 64),
+    Case("bs1-everything-accepted", paths([4], 8, 4, 0, deepest=True), 8, 64),
+    Case("bs1-chain-prefix", torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), 8, 64),
+    Case("ragged-skip", torch.tensor([[0, 2, 3, -1], [4, -1, -1, -1], [8, 9, 11, -1]], dtype=torch.int32), 4, 33),
+    Case("all-nothing-accepted-bs5", paths([1] * 5, 16, 6, 1), 16, 300),
+    Case("all-deepest-bs7", paths([6] * 7, 16, 6, 2, deepest=True), 16, 300),
+    Case("random-bs3-d64", paths(_random_lengths(3, 6, 3), 64, 6, 3), 64, 520),
+    Case("random-bs48-d8-int64", paths(_random_lengths(48, 4, 4), 8, 4, 4), 8, 256, torch.int64),
+    Case("random-bs16-no-hidden", paths(_random_lengths(16, 4, 5), 8, 4, 5), 8, None),
+    Case("random-bs9-strided-hidden", paths(_random_lengths(9, 5, 6), 32, 5, 6), 32, 130, strided_hidden=True),
+    Case("block-equals-path", paths(_random_lengths(6, 3, 7), 3, 3, 7), 3, 17),
+]
+
+
+def _inputs(case: Case, device):
+    gen = torch.Generator().manual_seed(len(case.name))
+    bs = case.accept_index.shape[0]
+    rows = bs * case.num_draft_tokens
+    # Verify slots are scattered over the pool, as the allocator leaves them.
+    out_cache_loc = torch.randperm(rows * 3, generator=gen)[:rows]
+    predict = torch.randint(0, 32000, (rows,), generator=gen).to(case.predict_dtype)
+    hidden = None
+    if case.hidden_size is not None:
+        width = case.hidden_size * 2 if case.strided_hidden else case.hidden_size
+        hidden = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+        if case.strided_hidden:
+            hidden = hidden[:, 1::2]
+    return [x.to(device) if x is not None else None for x in (case.accept_index, out_cache_loc, predict, hidden)]
+
+
+def check(case: Case, device) -> None:
+    accept_index, out_cache_loc, predict, hidden = _inputs(case, device)
+    # The reference works in place on CPU copies.
+    ref_predict = predict.cpu().clone()
+    ref_hidden = hidden.cpu().clone() if hidden is not None else None
+    ref_tgt, ref_src = compact_path_rows_reference(
+        accept_index.cpu(), case.num_draft_tokens, out_cache_loc.cpu(), ref_predict, ref_hidden)
+
+    tgt, src = compact_path_rows_triton(accept_index, case.num_draft_tokens, out_cache_loc, predict, hidden)
+
+    assert tgt.dtype == src.dtype == torch.int64
+    assert torch.equal(tgt.cpu(), ref_tgt) and torch.equal(src.cpu(), ref_src)
+    assert torch.equal(predict.cpu(), ref_predict)
+    if hidden is not None:
+        assert torch.equal(hidden.cpu(), ref_hidden)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="run by test_tree_compaction_kernel.py with TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_kernel_matches_reference(case):
+    check(case, "cpu")
