@@ -1,6 +1,7 @@
 """tok/s with the KV canary off vs on (raise mode, every forward checked), EAGLE spec v2,
-measured in one run and printed side by side. "raise+deferred" also sets
-SGLANG_KV_CANARY_DEFERRED_DRAIN=1 (findings read back behind the forward, no per-forward sync).
+measured in one run and printed side by side. "raise" is the synchronous drain
+(SGLANG_KV_CANARY_DEFERRED_DRAIN=0, a host sync per checked forward); "raise+deferred" is the
+default (findings read back behind the forward).
 
     python benchmark/kv_canary/bench_canary.py --preset toy --topk 1,16 --batch-sizes 1,16,48
 

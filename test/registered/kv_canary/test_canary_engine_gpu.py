@@ -31,8 +31,10 @@ def canary_env(**values):
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+@pytest.mark.parametrize("deferred", ["0", "1"], ids=["sync-drain", "deferred-drain"])
 @pytest.mark.parametrize("spec", [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)], ids=lambda s: s.label)
-def test_raise_mode_sees_no_violation_in_2000_requests_with_retraction(toy_pair, capfd, spec, record_metric):
+def test_raise_mode_sees_no_violation_in_2000_requests_with_retraction(toy_pair, capfd, spec, deferred,
+                                                                       record_metric):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = eng.random_prompts(2000, vocab, seed=11, min_len=8, max_len=80)
@@ -40,7 +42,7 @@ def test_raise_mode_sees_no_violation_in_2000_requests_with_retraction(toy_pair,
     # A chain reserves so little KV per request that admission control alone avoids running out;
     # the scheduler's test switch retracts on purpose then.
     forced = {"SGLANG_TEST_RETRACT": "1"} if spec.topk == 1 else {}
-    with canary_env(SGLANG_KV_CANARY="raise", **forced):
+    with canary_env(SGLANG_KV_CANARY="raise", SGLANG_KV_CANARY_DEFERRED_DRAIN=deferred, **forced):
         kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=64, max_total_tokens=6000,
                                    log_level="info")
         with eng.engine(**kwargs) as e:

@@ -11,6 +11,7 @@ import pytest
 
 from canary_sim import SimEngine, draft_step_batch
 from sglang.srt.kv_canary.config import CanaryMode, parse_canary_config
+from sglang.srt.kv_canary.manager import flush_deferred_findings
 from sglang.srt.kv_canary.report import KVCanaryViolationError
 from sglang.srt.kv_canary.single_forward import SingleForwardCanary
 
@@ -109,5 +110,35 @@ def test_bad_env_switch_names_the_variable():
         parse_canary_config(env={"SGLANG_KV_CANARY": "log", "SGLANG_KV_CANARY_DEFERRED_DRAIN": "maybe"})
 
 
-def test_default_drains_at_once():
-    assert parse_canary_config(env={"SGLANG_KV_CANARY": "log"}).deferred_drain is False
+def test_default_drains_behind_the_forward():
+    assert parse_canary_config(env={"SGLANG_KV_CANARY": "log"}).deferred_drain is True
+    assert parse_canary_config(env={"SGLANG_KV_CANARY": "log", "SGLANG_KV_CANARY_DEFERRED_DRAIN": "0"}).deferred_drain is False
+
+
+def test_idle_flush_reports_what_no_later_bracket_read(deferred):
+    d = deferred
+    d.bad.add("draft step 1")
+    bracket(d, [0, 1])  # the last forwards before the server goes idle
+    assert d.reported == []
+    with pytest.raises(KVCanaryViolationError, match="violation in draft step 1"):
+        flush_deferred_findings()  # the scheduler's idle hook
+    assert d.reported == ["draft step 0", "draft step 1"]
+    flush_deferred_findings()  # nothing pending any more
+    assert d.reported == ["draft step 0", "draft step 1"]
+
+
+def test_the_scheduler_idle_hook_flushes_deferred_findings(monkeypatch):
+    from sglang.srt.managers import scheduler_runtime_checker_mixin as mixin
+
+    calls = []
+    monkeypatch.setattr(mixin, "flush_deferred_findings", lambda: calls.append("flush"))
+    idle_scheduler = SimpleNamespace(
+        is_fully_idle=lambda: True, enable_hisparse=True, init_new_token_ratio=0.7,
+        **{name: (lambda: None) for name in ("_check_tree_cache", "_maybe_log_idle_metrics", "_publish_kv_events",
+                                             "reset_device_timer_window", "maybe_sleep_on_idle")},
+    )
+    mixin.SchedulerRuntimeCheckerMixin.on_idle(idle_scheduler)
+    assert calls == ["flush"]
+    busy_scheduler = SimpleNamespace(is_fully_idle=lambda: False)
+    mixin.SchedulerRuntimeCheckerMixin.on_idle(busy_scheduler)
+    assert calls == ["flush"]

@@ -32,7 +32,11 @@ from sglang.srt.kv_canary.api import (
     runner_bracket,
 )
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode, parse_canary_config
-from sglang.srt.kv_canary.manager import CanaryBracketError, CanaryManager
+from sglang.srt.kv_canary.manager import (
+    CanaryBracketError,
+    CanaryManager,
+    flush_deferred_findings,
+)
 from sglang.srt.kv_canary.report import KVCanaryViolationError, Violation, kv_canary_stats
 from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord, move_fingerprints
 
@@ -48,6 +52,7 @@ __all__ = [
     "active_step",
     "capturing",
     "draft_extend_brackets",
+    "flush_deferred_findings",
     "install_kv_canary",
     "kv_canary_stats",
     "move_fingerprints",

@@ -2,7 +2,8 @@
 
     SGLANG_KV_CANARY                 off | log | raise   (default off)
     SGLANG_KV_CANARY_SAMPLE_EVERY    int >= 1            (default 1: check every forward)
-    SGLANG_KV_CANARY_DEFERRED_DRAIN  0 | 1               (default 0: read findings back at once)
+    SGLANG_KV_CANARY_DEFERRED_DRAIN  0 | 1               (default 1: read findings back behind the
+                                                          forward; 0: at once, a host sync per forward)
 
 Writes are fingerprinted on every forward once the canary is on: a skipped write would leave a
 stale fingerprint behind and report a violation later. Sampling only thins out the checks.
@@ -40,7 +41,7 @@ class CanaryConfig:
     # Read a checked forward's findings back behind it (copy + event) and report them at a
     # later bracket, instead of syncing the host with the GPU after every checked forward,
     # which stalls the overlap scheduler. Raise mode then raises a few forwards late.
-    deferred_drain: bool = False
+    deferred_drain: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -72,7 +73,7 @@ def parse_canary_config(
     every = _parse_sample_every(raw_every, every_source)
     fraction = None if sample_fraction is None else _parse_fraction(sample_fraction)
     deferred_source = "deferred_drain" if deferred_drain is not None else ENV_DEFERRED_DRAIN
-    raw_deferred = deferred_drain if deferred_drain is not None else env.get(ENV_DEFERRED_DRAIN, "0")
+    raw_deferred = deferred_drain if deferred_drain is not None else env.get(ENV_DEFERRED_DRAIN, "1")
     deferred = _parse_bool(raw_deferred, deferred_source)
     return CanaryConfig(mode=parsed_mode, sample_every=every, sample_fraction=fraction, deferred_drain=deferred)
 

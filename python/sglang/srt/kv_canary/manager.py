@@ -14,6 +14,7 @@ kernels only need to be recorded). Anything else is a wiring bug and raises.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import deque
 from typing import Iterable, Iterator, Optional
 
@@ -27,6 +28,18 @@ from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord, move_fi
 
 # Deferred drains waiting for their copies; past this many the oldest are waited for.
 MAX_PENDING_DRAINS = 16
+
+
+# Every live manager, so that the scheduler can report deferred findings when it goes idle.
+_live_managers: "weakref.WeakSet[CanaryManager]" = weakref.WeakSet()
+
+
+def flush_deferred_findings() -> None:
+    """Report every manager's deferred findings now (raising in raise mode). The scheduler
+    calls this when idle: without it the last forwards' findings would wait for the next
+    request. Nothing to do (one empty loop) when the canary is off."""
+    for manager in list(_live_managers):
+        manager.flush()
 
 
 class CanaryBracketError(RuntimeError):
@@ -62,6 +75,7 @@ class CanaryManager:
         self._capturing = 0
         # (single forward index, its drain) in bracket order
         self._pending: deque[tuple[int, PendingDrain]] = deque()
+        _live_managers.add(self)
 
     @property
     def is_draft(self) -> bool:
