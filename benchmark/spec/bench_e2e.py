@@ -14,6 +14,7 @@ tree / chain accept length per batch size. --replot results.json redraws the PNG
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -38,22 +39,38 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
     CONFIGS["tree-v1"] = (eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False), {})
 
 
-def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: int, vocab: int,
-            repeats: int = 3) -> list[dict]:
-    spec, env = CONFIGS[name]
+@contextlib.contextmanager
+def scoped_env(env: dict[str, str]):
+    """Set env vars for the engines started inside (their scheduler processes read them at
+    start-up), then restore the previous values."""
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # read by the engine's scheduler process at start-up
-    rows = []
+    os.environ.update(env)
     try:
-        with eng.engine(**eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes))) as e:
-            for bs in batch_sizes:
-                # Best of `repeats`: these machines are noisy and we compare configs, not noise.
-                best = eng.best_of(e, eng.random_prompts(bs, vocab, seed=bs), max_new_tokens, repeats)
-                rows.append({"config": name, "bs": bs, "tok_per_s": best.tok_per_s,
-                             "accept_length": best.accept_length if spec else 1.0})
+        yield
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def ensure_pair(models: str | None, preset: str, agreement: float) -> tuple[Path, Path]:
+    """(target, draft) of the synthetic pair, made on the GPU unless `models` already has it."""
+    root = Path(models or tempfile.mkdtemp()) / f"{preset}-a{agreement}"
+    if not (root / "draft" / synth.META).exists():
+        synth.make_pair(root, preset, agreement, device="cuda")
+    return root / "target", root / "draft"
+
+
+def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: int, vocab: int,
+            repeats: int = 3) -> list[dict]:
+    spec, env = CONFIGS[name]
+    rows = []
+    with scoped_env(env), eng.engine(**eng.engine_kwargs(target, draft, spec,
+                                                          max_running_requests=max(batch_sizes))) as e:
+        for bs in batch_sizes:
+            # Best of `repeats`: these machines are noisy and we compare configs, not noise.
+            best = eng.best_of(e, eng.random_prompts(bs, vocab, seed=bs), max_new_tokens, repeats)
+            rows.append({"config": name, "bs": bs, "tok_per_s": best.tok_per_s,
+                         "accept_length": best.accept_length if spec else 1.0})
     return rows
 
 
@@ -78,18 +95,18 @@ def main() -> None:
         return
     set_tree_shape(*(int(x) for x in args.tree.split(",")))
 
-    root = Path(args.models or tempfile.mkdtemp()) / f"{args.preset}-a{args.agreement}"
-    if not (root / "draft" / synth.META).exists():
-        synth.make_pair(root, args.preset, args.agreement, device="cuda")
-    target, draft = root / "target", root / "draft"
+    target, draft = ensure_pair(args.models, args.preset, args.agreement)
     vocab = synth.load_meta(target)["spec"]["vocab"]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     names = args.configs.split(",")
     # The first engine in a process pays one-time costs (kernel JIT and autotune caches) that
     # otherwise favour whichever config is measured later: start and discard one first.
     measure(target, draft, names[0], [1], 16, vocab, repeats=1)
-    rows = [r for name in names for r in measure(target, draft, name, batch_sizes, args.max_new_tokens, vocab,
-                                                 repeats=args.repeats)]
+    rows = []
+    for name in names:
+        rows += measure(target, draft, name, batch_sizes, args.max_new_tokens, vocab, repeats=args.repeats)
+        if args.out:  # a run cut short still leaves the configs it finished
+            Path(args.out).write_text(json.dumps(rows, indent=1))
 
     base = names[0]
     print(f"preset={args.preset} ({synth.load_meta(target)['num_params'] / 1e9:.2f}B) "

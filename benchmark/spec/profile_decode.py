@@ -1,0 +1,164 @@
+"""Where a speculative decode iteration spends its time: one torch-profiler window per config,
+summarised side by side (GPU busy fraction, kernel and graph launches per iteration, the
+kernels and CPU ops that differ most between configs).
+
+    python benchmark/spec/profile_decode.py --preset bench --configs chain,tree,tree-v1 \
+        --bs 1 --steps 40 --out summary.json
+
+Config names are bench_e2e's. The summary, not the trace, is the output: traces are tens of MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import collections
+import gzip
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import bench_e2e  # noqa: E402
+from specpatch import engine as eng  # noqa: E402
+from specpatch import synth  # noqa: E402
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
+    """Per-iteration counts and the busiest kernels / CPU ops of one chrome trace."""
+    events = json.load(gzip.open(path))["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    # GPU busy time: the union of kernel intervals, so overlapping streams count once.
+    busy, end = 0.0, float("-inf")
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    span = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
+
+    def per_step(counter: collections.Counter) -> list:
+        return [(name, round(n / num_steps, 2)) for name, n in counter.most_common(top)]
+
+    kernel_time = collections.Counter()
+    for k in kernels:
+        kernel_time[k["name"][:90]] += k["dur"]
+    op_time = collections.Counter()
+    for op in cpu_ops:
+        op_time[op["name"]] += op["dur"]
+    return {
+        "gpu_span_us_per_step": span / num_steps,
+        "gpu_busy_fraction": busy / span,
+        "kernels_per_step": len(kernels) / num_steps,
+        "kernel_launches_per_step": sum(e["name"] in LAUNCH_CALLS for e in runtime) / num_steps,
+        "graph_launches_per_step": sum(e["name"] == "cudaGraphLaunch" for e in runtime) / num_steps,
+        "syncs_per_step": sum("Synchronize" in e["name"] for e in runtime) / num_steps,
+        "memcpy_per_step": sum("Memcpy" in e["name"] for e in runtime) / num_steps,
+        "kernel_count_per_step": per_step(collections.Counter(k["name"][:90] for k in kernels)),
+        "kernel_us_per_step": per_step(kernel_time),
+        "cpu_op_count_per_step": per_step(collections.Counter(op["name"] for op in cpu_ops)),
+        "cpu_op_us_per_step": per_step(op_time),
+        "sync_us_per_step": sum(e["dur"] for e in runtime if e["name"] in SYNC_CALLS) / num_steps,
+        "sync_sites": collections.Counter(e["name"] for e in runtime if e["name"] in SYNC_CALLS).most_common(),
+        "sync_callers_us_per_step": sync_callers(events, runtime, num_steps),
+    }
+
+
+def sync_callers(events: list, runtime: list, num_steps: int, depth: int = 3) -> list:
+    """Host waits (syncs and blocking copies, by duration) per innermost sglang Python frames.
+    Needs a trace recorded with_stack; empty otherwise."""
+    frames_by_tid = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "python_function" and "sglang" in e["name"]:
+            frames_by_tid[e["tid"]].append(e)
+    for frames in frames_by_tid.values():
+        frames.sort(key=lambda e: e["ts"])
+    starts = {tid: [f["ts"] for f in frames] for tid, frames in frames_by_tid.items()}
+    waits = collections.Counter()
+    for call in runtime:
+        if call["name"] not in SYNC_CALLS and not ("Memcpy" in call["name"] and call["dur"] > 20):
+            continue
+        frames = frames_by_tid.get(call.get("tid"), [])
+        stack = []
+        # Enclosing frames start before the call and end after it; the innermost start last.
+        for f in reversed(frames[: bisect.bisect_right(starts.get(call.get("tid"), []), call["ts"])][-20000:]):
+            if f["ts"] + f["dur"] >= call["ts"] + call["dur"]:
+                stack.append(f["name"].split("sglang/")[-1])
+                if len(stack) == depth:
+                    break
+        waits[" <- ".join(stack) or "?"] += call["dur"]
+    return [(site, round(us / num_steps, 1)) for site, us in waits.most_common(15)]
+
+
+def profile_config(target, draft, name: str, bs: int, num_steps: int, vocab: int, out_dir: Path,
+                   with_stack: bool = False) -> dict:
+    spec, env = bench_e2e.CONFIGS[name]
+    trace_dir = out_dir / name
+    with bench_e2e.scoped_env(env), eng.engine(
+        **eng.engine_kwargs(target, draft, spec, max_running_requests=max(bs, 4))
+    ) as e:
+        prompts = eng.random_prompts(bs, vocab, seed=bs)
+        warm = eng.best_of(e, prompts, 256, 1)
+
+        async def decode_under_profiler():
+            # The profiler opens at the forward after the request below reaches the scheduler
+            # and closes num_steps forwards later; the generation outlasts it on both ends, so
+            # the window is steady-state decode.
+            params = dict(temperature=0.0, max_new_tokens=1024, ignore_eos=True)
+            generation = asyncio.ensure_future(e.async_generate(input_ids=prompts, sampling_params=params))
+            await asyncio.sleep(0.05)
+            await e.tokenizer_manager.start_profile(
+                output_dir=str(trace_dir), num_steps=num_steps, activities=["CPU", "GPU"],
+                with_stack=with_stack, record_shapes=False)
+            await generation
+
+        e.loop.run_until_complete(decode_under_profiler())
+        traces = sorted(trace_dir.glob("*.trace.json.gz"))
+        if not traces:
+            raise RuntimeError(f"{name}: the profiler wrote no trace under {trace_dir}")
+        summary = summarise_trace(traces[-1], num_steps)
+    summary.update(config=name, bs=bs, tok_per_s=warm.tok_per_s,
+                   accept_length=warm.accept_length if spec else 1.0)
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="bench")
+    p.add_argument("--agreement", type=float, default=0.7)
+    p.add_argument("--configs", default="chain,tree,tree-v1")
+    p.add_argument("--tree", default="4,3,8")
+    p.add_argument("--bs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--with-stack", action="store_true", help="Python frames: names the sync sites")
+    p.add_argument("--models")
+    p.add_argument("--out")
+    args = p.parse_args()
+    bench_e2e.set_tree_shape(*(int(x) for x in args.tree.split(",")))
+    target, draft = bench_e2e.ensure_pair(args.models, args.preset, args.agreement)
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    out_dir = Path(tempfile.mkdtemp())
+    results = []
+    for name in args.configs.split(","):
+        s = profile_config(target, draft, name, args.bs, args.steps, vocab, out_dir, args.with_stack)
+        results.append(s)
+        print(f"{name:>14} bs {args.bs}: {s['tok_per_s']:.0f} tok/s accept {s['accept_length']:.2f} | "
+              f"GPU span {s['gpu_span_us_per_step']:.0f} us/step, busy {s['gpu_busy_fraction']:.0%}, "
+              f"{s['kernels_per_step']:.0f} kernels, {s['kernel_launches_per_step']:.0f} launches, "
+              f"{s['graph_launches_per_step']:.1f} graphs, {s['syncs_per_step']:.1f} syncs "
+              f"({s['sync_us_per_step']:.0f} us), "
+              f"{s['memcpy_per_step']:.1f} memcpys per step", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

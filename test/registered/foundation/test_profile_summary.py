@@ -1,0 +1,65 @@
+"""benchmark/spec/profile_decode.py's trace summary, on a hand-made chrome trace."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
+import profile_decode  # noqa: E402
+
+
+def _kernel(name, ts, dur):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def _runtime(name, ts=0, dur=1):
+    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur}
+
+
+def test_summary_counts_per_step_and_merges_overlapping_kernels(tmp_path):
+    events = [
+        # Two steps over 0..100 us; kernels on two streams overlap at 10..20.
+        _kernel("gemm", 0, 20), _kernel("topk", 10, 20), _kernel("gemm", 60, 20), _kernel("copy", 90, 10),
+        _runtime("cudaLaunchKernel"), _runtime("cudaLaunchKernel"), _runtime("cudaLaunchKernel"),
+        _runtime("cudaGraphLaunch"), _runtime("cudaStreamSynchronize"), _runtime("cudaMemcpyAsync"),
+        {"cat": "cpu_op", "name": "aten::topk", "ts": 0, "dur": 8},
+        {"cat": "cpu_op", "name": "aten::topk", "ts": 50, "dur": 4},
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+    s = profile_decode.summarise_trace(path, num_steps=2)
+
+    assert s["gpu_span_us_per_step"] == 50.0
+    assert s["gpu_busy_fraction"] == 0.6  # 0..30 and 60..80 and 90..100 of 0..100
+    assert s["kernels_per_step"] == 2.0
+    assert s["kernel_launches_per_step"] == 1.5
+    assert s["graph_launches_per_step"] == 0.5
+    assert s["syncs_per_step"] == 0.5 and s["memcpy_per_step"] == 0.5
+    assert s["kernel_count_per_step"][0] == ("gemm", 1.0)
+    assert s["cpu_op_us_per_step"] == [("aten::topk", 6.0)]
+    assert s["sync_sites"] == [("cudaStreamSynchronize", 1)]
+    assert s["sync_us_per_step"] == 0.5
+
+
+def test_sync_callers_are_the_innermost_enclosing_sglang_frames():
+    def frame(name, ts, dur, tid=1):
+        return {"cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [
+        frame("sglang/srt/managers/scheduler.py(10): event_loop", 0, 1000),
+        frame("sglang/srt/speculative/eagle_worker_v2.py(50): verify", 100, 300),
+        frame("torch/cuda/streams.py(9): synchronize", 150, 100),  # not sglang: skipped
+        frame("sglang/srt/speculative/eagle_worker_v2.py(70): draft", 500, 100),  # after: not enclosing
+        frame("sglang/srt/other.py(1): elsewhere", 160, 20, tid=2),  # other thread
+    ]
+    runtime = [{"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 160, "dur": 80, "tid": 1}]
+
+    callers = profile_decode.sync_callers(events + runtime, runtime, num_steps=2, depth=2)
+
+    assert callers == [("srt/speculative/eagle_worker_v2.py(50): verify <- "
+                        "srt/managers/scheduler.py(10): event_loop", 40.0)]
