@@ -69,6 +69,8 @@ def pytest_runtest_logreport(report):
             "seconds": round(report.duration, 2),
             "metrics": dict(report.user_properties),
             **({"skip_reason": report.longrepr[2]} if report.skipped and isinstance(report.longrepr, tuple) else {}),
+            # The GPU host's output comes back cut to its tail: keep why a test failed here.
+            **({"failure": report.longreprtext[-3000:]} if report.failed else {}),
         })
 
 
