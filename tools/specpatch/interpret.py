@@ -39,3 +39,28 @@ def run_under_interpreter(test_file: Path, report: Path, *, cwd: Path, timeout: 
             else "skipped: " + (skipped.get("message") or "") if skipped is not None else "passed"
         )
     return outcomes, tail
+
+
+def interpreter_suite(test_file: Path, names: list[str]):
+    """(fixture, test) for a test module that reports each test of `test_file`, run once under
+    the interpreter, as its own test. Assign both at module level:
+
+        interpreter_run, test_under_interpreter = interpreter_suite(HERE / "cases.py", NAMES)
+    """
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def interpreter_run(tmp_path_factory):
+        report = tmp_path_factory.mktemp("interp") / "junit.xml"
+        try:
+            return run_under_interpreter(test_file, report, cwd=test_file.parents[3])
+        except RuntimeError as err:
+            pytest.fail(str(err))
+
+    @pytest.mark.parametrize("name", names)
+    def test_under_interpreter(interpreter_run, name):
+        outcomes, tail = interpreter_run
+        assert name in outcomes, f"{name} did not run in the interpreter process:\n{tail}"
+        assert outcomes[name] == "passed", f"{name}: {outcomes[name]}\n{tail}"
+
+    return interpreter_run, test_under_interpreter

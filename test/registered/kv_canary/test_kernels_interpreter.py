@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import kernel_cases
-from specpatch.interpret import run_under_interpreter
+from specpatch.interpret import interpreter_suite
 
 HERE = Path(__file__).resolve().parent
 INNER = HERE / "interpreter_cases.py"
@@ -24,20 +22,7 @@ INNER_TESTS = (
 )
 
 
-@pytest.fixture(scope="module")
-def interpreter_run(tmp_path_factory):
-    report = tmp_path_factory.mktemp("interp") / "junit.xml"
-    try:
-        return run_under_interpreter(INNER, report, cwd=HERE.parents[2])
-    except RuntimeError as err:
-        pytest.fail(str(err))
-
-
-@pytest.mark.parametrize("name", INNER_TESTS)
-def test_under_interpreter(interpreter_run, name):
-    outcomes, tail = interpreter_run
-    assert name in outcomes, f"{name} did not run in the interpreter process:\n{tail}"
-    assert outcomes[name] == "passed", outcomes[name]
+interpreter_run, test_under_interpreter = interpreter_suite(INNER, INNER_TESTS)
 
 
 def test_every_interpreter_test_is_reported_here(interpreter_run):

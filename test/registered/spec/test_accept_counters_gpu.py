@@ -69,7 +69,6 @@ def make_tree(bs: int, topk: int, num_steps: int, num_draft_tokens: int, seed: i
 @pytest.mark.parametrize("agreement", [0.0, 0.6, 1.0])
 def test_verify_counters_match_reference_walk(bs, topk, num_steps, num_draft_tokens, agreement, record_metric):
     from sglang.srt.speculative.eagle_info import EagleVerifyInput
-    from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
     tree = make_tree(bs, topk, num_steps, num_draft_tokens, seed=bs * 100 + topk)
     g = torch.Generator(device="cuda").manual_seed(7)
