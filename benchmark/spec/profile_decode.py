@@ -99,8 +99,9 @@ def sync_callers(events: list, runtime: list, num_steps: int, depth: int = 3) ->
 
 
 def profile_config(target, draft, name: str, bs: int, num_steps: int, vocab: int, out_dir: Path,
-                   with_stack: bool = False) -> dict:
+                   with_stack: bool = False, extra_env: dict[str, str] | None = None) -> dict:
     spec, env = bench_e2e.CONFIGS[name]
+    env = {**env, **(extra_env or {})}
     trace_dir = out_dir / name
     with bench_e2e.scoped_env(env), eng.engine(
         **eng.engine_kwargs(target, draft, spec, max_running_requests=max(bs, 4))
@@ -130,6 +131,16 @@ def profile_config(target, draft, name: str, bs: int, num_steps: int, vocab: int
     return summary
 
 
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--env {pair!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="bench")
@@ -139,6 +150,8 @@ def main() -> None:
     p.add_argument("--bs", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--with-stack", action="store_true", help="Python frames: names the sync sites")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set for every config's engine, e.g. SGLANG_KV_CANARY=raise (repeatable)")
     p.add_argument("--models")
     p.add_argument("--out")
     args = p.parse_args()
@@ -148,7 +161,8 @@ def main() -> None:
     out_dir = Path(tempfile.mkdtemp())
     results = []
     for name in args.configs.split(","):
-        s = profile_config(target, draft, name, args.bs, args.steps, vocab, out_dir, args.with_stack)
+        s = profile_config(target, draft, name, args.bs, args.steps, vocab, out_dir, args.with_stack,
+                           parse_env(args.env))
         results.append(s)
         print(f"{name:>14} bs {args.bs}: {s['tok_per_s']:.0f} tok/s accept {s['accept_length']:.2f} | "
               f"GPU span {s['gpu_span_us_per_step']:.0f} us/step, busy {s['gpu_busy_fraction']:.0%}, "

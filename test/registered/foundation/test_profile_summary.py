@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
 import profile_decode  # noqa: E402
 
@@ -63,3 +65,10 @@ def test_sync_callers_are_the_innermost_enclosing_sglang_frames():
 
     assert callers == [("srt/speculative/eagle_worker_v2.py(50): verify <- "
                         "srt/managers/scheduler.py(10): event_loop", 40.0)]
+
+
+def test_env_pairs_are_parsed_and_bad_ones_refused():
+    assert profile_decode.parse_env(["SGLANG_KV_CANARY=raise", "X=a=b", "EMPTY="]) == {
+        "SGLANG_KV_CANARY": "raise", "X": "a=b", "EMPTY": ""}
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        profile_decode.parse_env(["SGLANG_KV_CANARY"])
