@@ -51,7 +51,7 @@ class AcceptedPathMoves:
 
     @classmethod
     def make_dummy(cls, bs: int, max_accept: int, num_draft_tokens: int, device="cpu"):
-        """Identity moves (nothing accepted past the root), for tests and CUDA-graph warm-up."""
+        """Identity moves (nothing accepted past the root), for tests."""
         rows = _front_rows(bs, max_accept, num_draft_tokens, torch.device(device)).flatten()
         return cls(dst_rows=rows, src_rows=rows.clone())
 
