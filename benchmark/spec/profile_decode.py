@@ -170,8 +170,8 @@ def main() -> None:
               f"{s['graph_launches_per_step']:.1f} graphs, {s['syncs_per_step']:.1f} syncs "
               f"({s['sync_us_per_step']:.0f} us), "
               f"{s['memcpy_per_step']:.1f} memcpys per step", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        if args.out:  # after every config, so a call cut short keeps what finished
+            Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
