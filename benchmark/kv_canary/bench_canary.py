@@ -47,6 +47,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,16,48")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="start every mode's engine this many times, alternating, and keep each "
+                             "cell's best: engine-to-engine spread is larger than the canary's cost")
     parser.add_argument("--modes", default="off,raise,raise+deferred")
     parser.add_argument("--models")
     parser.add_argument("--out")
@@ -59,10 +62,23 @@ def main() -> None:
     vocab = synth.load_meta(target)["spec"]["vocab"]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     modes = args.modes.split(",")
-    rows = []
+    best: dict[tuple, dict] = {}
     for topk in (int(k) for k in args.topk.split(",")):
-        for mode in modes:
-            rows += measure(target, draft, SHAPES[topk], mode, batch_sizes, args.max_new_tokens, vocab, args.repeats)
+        for _ in range(args.rounds):
+            for mode in modes:
+                for r in measure(target, draft, SHAPES[topk], mode, batch_sizes, args.max_new_tokens, vocab,
+                                 args.repeats):
+                    key = (r["topk"], r["canary"], r["bs"])
+                    r["engines"] = best.get(key, {}).get("engines", 0) + 1
+                    if key not in best or r["tok_per_s"] > best[key]["tok_per_s"]:
+                        best[key] = r
+                    else:
+                        best[key]["engines"] = r["engines"]
+                rows = list(best.values())
+                if args.out:  # after every engine, so a run cut short keeps what finished
+                    Path(args.out).write_text(json.dumps(rows, indent=1))
+    topk_order = [int(k) for k in args.topk.split(",")]
+    rows = sorted(best.values(), key=lambda r: (topk_order.index(r["topk"]), modes.index(r["canary"]), r["bs"]))
 
     print(f"{'topk':>4} {'bs':>4} {'mode':>15} {'tok/s':>10} {'vs off':>7} {'accept':>7}")
     for r in rows:

@@ -69,7 +69,34 @@ def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
         "sync_us_per_step": sum(e["dur"] for e in runtime if e["name"] in SYNC_CALLS) / num_steps,
         "sync_sites": collections.Counter(e["name"] for e in runtime if e["name"] in SYNC_CALLS).most_common(),
         "sync_callers_us_per_step": sync_callers(events, runtime, num_steps),
+        "python_us_per_step": python_frames(events, num_steps, top),
+        "kv_canary_us_per_step": outermost_time(events, "kv_canary/", num_steps),
     }
+
+
+def python_frames(events: list, num_steps: int, top: int) -> list:
+    """Inclusive host time per sglang Python function (with_stack traces only; a recursive
+    function counts once per level)."""
+    inclusive = collections.Counter()
+    for e in events:
+        if e.get("cat") == "python_function" and "sglang" in e["name"]:
+            inclusive[e["name"].split("sglang/")[-1]] += e["dur"]
+    return [(name, round(us / num_steps, 1)) for name, us in inclusive.most_common(top)]
+
+
+def outermost_time(events: list, needle: str, num_steps: int) -> float:
+    """Host time inside Python frames whose name contains `needle`, nested ones counted once."""
+    frames = sorted((e for e in events if e.get("cat") == "python_function" and needle in e["name"]),
+                    key=lambda e: (e["tid"], e["ts"]))
+    total, tid, end = 0.0, None, float("-inf")
+    for f in frames:
+        if f["tid"] != tid:
+            tid, end = f["tid"], float("-inf")
+        stop = f["ts"] + f["dur"]
+        if stop > end:
+            total += stop - max(f["ts"], end)
+            end = stop
+    return round(total / num_steps, 1)
 
 
 def sync_callers(events: list, runtime: list, num_steps: int, depth: int = 3) -> list:

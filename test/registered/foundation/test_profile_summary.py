@@ -72,3 +72,29 @@ def test_env_pairs_are_parsed_and_bad_ones_refused():
         "SGLANG_KV_CANARY": "raise", "X": "a=b", "EMPTY": ""}
     with pytest.raises(SystemExit, match="expected KEY=VALUE"):
         profile_decode.parse_env(["SGLANG_KV_CANARY"])
+
+
+def _frame(name, ts, dur, tid=1):
+    return {"cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def test_python_frames_rank_sglang_functions_by_inclusive_time():
+    events = [
+        _frame("sglang/srt/a.py(1): outer", 0, 100),
+        _frame("sglang/srt/b.py(2): inner", 10, 30),
+        _frame("sglang/srt/b.py(2): inner", 50, 30),
+        _frame("torch/x.py(3): not_ours", 0, 500),
+    ]
+    assert profile_decode.python_frames(events, num_steps=2, top=5) == [
+        ("srt/a.py(1): outer", 50.0), ("srt/b.py(2): inner", 30.0)]
+
+
+def test_outermost_time_counts_nested_frames_once_per_thread():
+    events = [
+        _frame("sglang/srt/kv_canary/manager.py(1): bracket", 0, 100),
+        _frame("sglang/srt/kv_canary/single_forward.py(2): stage", 10, 50),  # inside the bracket
+        _frame("sglang/srt/kv_canary/manager.py(3): report", 90, 30),  # overlaps its end: +20
+        _frame("sglang/srt/kv_canary/manager.py(1): bracket", 0, 40, tid=2),  # another thread
+        _frame("sglang/srt/speculative/x.py(4): draft", 0, 1000),  # not canary
+    ]
+    assert profile_decode.outermost_time(events, "kv_canary/", num_steps=2) == (100 + 20 + 40) / 2

@@ -27,6 +27,11 @@ def test_kernel_matches_reference(case):
     assert kernel_cases.compare(case, kernels, CPU) is None
 
 
+@pytest.mark.parametrize("case", kernel_cases.STAGE_CASES, ids=[c.name for c in kernel_cases.STAGE_CASES])
+def test_stage_kernel_matches_reference(case):
+    assert kernel_cases.compare_stage(case, kernels, CPU) is None
+
+
 def test_the_manager_picks_the_kernels_here():
     engine = SimEngine(seed=0)
     assert engine.target.impl is kernels and engine.draft.impl is kernels

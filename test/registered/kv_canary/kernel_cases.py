@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from sglang.srt.kv_canary import reference
-from sglang.srt.kv_canary.contract import FingerprintCheck, FingerprintWrite, ViolationSink
+from sglang.srt.kv_canary.contract import FingerprintCheck, FingerprintWrite, ForwardPlan, PlanBuffers, ViolationSink
 from sglang.srt.kv_canary.fingerprint import FREED
 from sglang.srt.kv_canary.tables import RequestRecord
 
@@ -178,7 +178,7 @@ def to_device(built: Built, device: torch.device) -> Built:
         owner=by_name[built.owner.name],
         write=FingerprintWrite(**{k: move(v) for k, v in built.write.__dict__.items()}),
         check=FingerprintCheck(**{k: move(v) for k, v in built.check.__dict__.items()}),
-        sink=ViolationSink(*(move(t) for t in (built.sink.records, built.sink.count, built.sink.checks))),
+        sink=ViolationSink(move(built.sink.storage)),
     )
 
 
@@ -238,3 +238,76 @@ def expected_violations(case: Case) -> int:
     built = build(replace(case, capacity=100_000), torch.device("cpu"))
     run(reference, built)
     return int(built.sink.count[0])
+
+
+# ----------------------------------------------------------------------------- stage_plan
+
+
+@dataclass(frozen=True)
+class StageCase:
+    name: str
+    seed: int = 0
+    bs: int = 4
+    max_rows: int = 16
+    tokens_per_row: int = 1  # uniform layout
+    variable: bool = False  # rows of random length (extend_seq_lens), zero-length rows included
+    speculative_tail: int = 0
+    verify: bool = True
+    positions_dtype: torch.dtype = torch.int64
+
+
+STAGE_CASES = [
+    StageCase("idle", bs=0),
+    StageCase("bs1_decode", bs=1),
+    StageCase("bs1_verify_block", bs=1, tokens_per_row=8),
+    StageCase("uniform_draft_extend", bs=5, tokens_per_row=4),
+    StageCase("variable_extend", bs=6, variable=True),
+    StageCase("variable_across_blocks", bs=300, max_rows=320, variable=True),
+    StageCase("uniform_across_blocks", bs=300, max_rows=300, tokens_per_row=3),
+    StageCase("speculative_tail_clamps", bs=6, speculative_tail=3),
+    StageCase("not_sampled", verify=False),
+    StageCase("int32_positions", bs=7, variable=True, positions_dtype=torch.int32),
+]
+
+
+def build_stage(case: StageCase, device: torch.device):
+    """(plan, buffers, sink): buffers hold garbage past the batch, the sink a previous forward's counts."""
+    gen = torch.Generator().manual_seed(case.seed)
+    lens = None
+    if case.variable:
+        lens = torch.randint(0, 5, (case.bs,), generator=gen, dtype=torch.int32)
+        num_tokens = int(lens.sum())
+    else:
+        num_tokens = case.bs * case.tokens_per_row
+    positions = torch.randint(0, 1000, (max(num_tokens, 1),), generator=gen).to(case.positions_dtype)
+    buffers = PlanBuffers.allocate(case.max_rows, device)
+    buffers.verify_lens.copy_(torch.randint(-5, 50, (case.max_rows,), generator=gen, dtype=torch.int32))
+    buffers.live_rows.fill_(99)
+    buffers.verify_on.fill_(7)
+    sink = ViolationSink.allocate(8, device)
+    sink.storage[0, :2] = torch.tensor([3, 41])
+    plan = ForwardPlan(
+        positions=positions.to(device),
+        extend_seq_lens=None if lens is None else lens.to(device),
+        tokens_per_row=0 if case.variable else case.tokens_per_row,
+        batch_size=case.bs,
+        speculative_tail=case.speculative_tail,
+        verify=case.verify,
+    )
+    return plan, buffers, sink
+
+
+def compare_stage(case: StageCase, impl, device: torch.device) -> Optional[str]:
+    """Run `impl.stage_plan` on `device` and the reference on CPU; None when every buffer agrees."""
+    expected = build_stage(case, torch.device("cpu"))
+    reference.stage_plan(*expected)
+    got = build_stage(case, device)
+    impl.stage_plan(*got)
+    problems = []
+    for name in ("verify_lens", "live_rows", "verify_on"):
+        a, b = getattr(expected[1], name), getattr(got[1], name).cpu()
+        if not torch.equal(a, b):
+            problems.append(f"{name}: {b.tolist()[:8]} != reference {a.tolist()[:8]}")
+    if not torch.equal(expected[2].storage, got[2].storage.cpu()):
+        problems.append("sink differs")
+    return "; ".join(problems) or None

@@ -84,10 +84,10 @@ def test_pre_op_during_capture_is_allowed_and_touches_nothing(engine):
 def test_capture_inside_a_bracket_restores_the_staged_plan(engine):
     batch = draft_step_batch(engine, 0)
     with engine.draft.with_ops_outside_graph([0], batch):
-        staged = engine.draft.single_forwards[0].live_rows.clone()
+        staged = engine.draft.single_forwards[0].plan.live_rows.clone()
         with engine.draft.capturing():
-            assert int(engine.draft.single_forwards[0].live_rows) == 0
-        assert torch.equal(engine.draft.single_forwards[0].live_rows, staged)
+            assert int(engine.draft.single_forwards[0].plan.live_rows) == 0
+        assert torch.equal(engine.draft.single_forwards[0].plan.live_rows, staged)
         with engine.draft.with_active_single_forward_manager(0):
             engine.draft.pre_ops_maybe_inside_graph(batch)
     assert engine.draft.group.slot_fp[batch.out_cache_loc].ne(0).all()

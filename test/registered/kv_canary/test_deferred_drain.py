@@ -142,3 +142,66 @@ def test_the_scheduler_idle_hook_flushes_deferred_findings(monkeypatch):
     busy_scheduler = SimpleNamespace(is_fully_idle=lambda: False)
     mixin.SchedulerRuntimeCheckerMixin.on_idle(busy_scheduler)
     assert calls == ["flush"]
+
+
+class CountingGate(Gate):
+    def __init__(self):
+        super().__init__()
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        super().synchronize()
+
+
+def _pending_with(host, gate, release=None):
+    from sglang.srt.kv_canary.single_forward import PendingDrain, StagedForward
+
+    return PendingDrain(StagedForward("DECODE", 1, True, ["r"]), host, gate, release)
+
+
+def _sink_copy(count, checks, records=()):
+    import torch
+
+    host = torch.full((1 + 4, 8), -1, dtype=torch.int64)
+    host[0, :2] = torch.tensor([count, checks])
+    for i, r in enumerate(records):
+        host[1 + i] = torch.tensor(r)
+    return host
+
+
+def test_a_landed_copy_is_read_without_waiting_and_its_buffer_handed_back():
+    gate, released = CountingGate(), []
+    pending = _pending_with(_sink_copy(1, 12, [[0, 3, 5, 40, 7, 8, 9, 10]]), gate, released.append)
+    assert not pending.ready()
+    gate.open = True
+    assert pending.ready()
+    result = pending.result()
+    assert gate.waits == 0, "result() waited on a copy ready() had already seen land"
+    assert (result.violation_count, result.checks, result.records.tolist()) == (1, 12, [[0, 3, 5, 40, 7, 8, 9, 10]])
+    assert released == [pending]
+    pending.host.fill_(0)  # the buffer is reused by a later drain: the result keeps its own copy
+    assert result.records.tolist() == [[0, 3, 5, 40, 7, 8, 9, 10]]
+
+
+def test_reading_an_unlanded_copy_waits_for_it():
+    gate = CountingGate()
+    result = _pending_with(_sink_copy(0, 30), gate).result()
+    assert gate.waits == 1 and (result.violation_count, result.checks) == (0, 30)
+
+
+def test_records_past_capacity_are_counted_not_read():
+    result = _pending_with(_sink_copy(9, 30, [[i] * 8 for i in range(4)]), None).result()
+    assert result.violation_count == 9 and len(result.records) == 4
+
+
+def test_pinned_copies_are_reused_once_handed_back():
+    import torch
+
+    from sglang.srt.kv_canary.single_forward import _PinnedCopies
+
+    pool = _PinnedCopies(torch.zeros(5, 8, dtype=torch.int64))
+    pair = (torch.zeros(5, 8, dtype=torch.int64), Gate())
+    pool.give_back(_pending_with(*pair))
+    host, event = pool.take()
+    assert host is pair[0] and event is pair[1]

@@ -21,6 +21,11 @@ def test_kernel_matches_reference_on_cuda(case):
     assert kernel_cases.compare(case, kernels, CUDA) is None
 
 
+@pytest.mark.parametrize("case", kernel_cases.STAGE_CASES, ids=[c.name for c in kernel_cases.STAGE_CASES])
+def test_stage_kernel_matches_reference_on_cuda(case):
+    assert kernel_cases.compare_stage(case, kernels, CUDA) is None
+
+
 def _pad(n: int) -> int:
     return next(b for b in (1, 2, 4, 8, 16, 32) if b >= n)
 

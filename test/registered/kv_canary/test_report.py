@@ -65,3 +65,18 @@ def test_prometheus_counters():
     violations = registry.get_sample_value(METRIC_VIOLATIONS, {"group": "target"})
     checks = registry.get_sample_value(METRIC_CHECKS, {"group": "target"})
     assert violations is not None and violations >= 40 and checks >= 40
+
+
+def test_clean_forwards_count_their_checks_in_prometheus():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.REGISTRY
+
+    def sample(metric):
+        return registry.get_sample_value(metric, {"group": "target"}) or 0.0
+
+    engine = SimEngine(seed=5, eagle=False)
+    req = engine.admit(30)
+    checks, violations = sample(METRIC_CHECKS), sample(METRIC_VIOLATIONS)
+    engine.decode([req])
+    engine.decode([req])
+    assert sample(METRIC_CHECKS) - checks == 30 + 31 and sample(METRIC_VIOLATIONS) == violations

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.kv_canary.contract import ForwardPlan
+
 # Nothing is written or read through req_to_token in these (PREBUILT: KV arrived from a
 # prefill server; DLLM_EXTEND: block diffusion, not supported).
 _SKIPPED_MODES = frozenset({"IDLE", "PREBUILT", "DLLM_EXTEND"})
@@ -74,6 +76,15 @@ def read_prefix_lens(forward_batch, view: BatchView) -> torch.Tensor:
     the device, no sync.
     """
     return forward_batch.positions.index_select(0, first_token_index(forward_batch, view)).to(torch.int64)
+
+
+def forward_plan(forward_batch, view: BatchView, speculative_tail: int, verify: bool) -> ForwardPlan:
+    """The inputs of stage_plan for a batch that is not skipped. Reads no tensor values."""
+    bs = view.batch_size
+    if view.variable_extend:
+        return ForwardPlan(forward_batch.positions, forward_batch.extend_seq_lens, 0, bs, speculative_tail, verify)
+    per_row = forward_batch.positions.numel() // bs
+    return ForwardPlan(forward_batch.positions, None, per_row, bs, speculative_tail, verify)
 
 
 def token_batch_rows(forward_batch, view: BatchView, num_tokens: int) -> tuple[Optional[torch.Tensor], int]:

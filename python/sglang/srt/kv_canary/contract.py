@@ -58,24 +58,75 @@ class FingerprintCheck:
 
 @dataclass
 class ViolationSink:
-    """Fixed-capacity violation records and counters on the device, drained outside graphs."""
+    """Fixed-capacity violation records and counters on the device, drained outside graphs.
 
-    records: torch.Tensor  # [capacity, RECORD_WIDTH] int64
-    count: torch.Tensor  # [1] int64: violations seen (may exceed capacity)
-    checks: torch.Tensor  # [1] int64: positions checked
+    Counters and records share one tensor so that a drain is a single device-to-host copy.
+    """
+
+    # [1 + capacity, RECORD_WIDTH] int64: row 0 holds (violations seen, positions checked, 0...),
+    # rows 1.. the records
+    storage: torch.Tensor
 
     @classmethod
     def allocate(cls, capacity: int, device) -> "ViolationSink":
-        return cls(
-            records=torch.full((capacity, RECORD_WIDTH), -1, dtype=torch.int64, device=device),
-            count=torch.zeros(1, dtype=torch.int64, device=device),
-            checks=torch.zeros(1, dtype=torch.int64, device=device),
-        )
+        storage = torch.full((1 + capacity, RECORD_WIDTH), -1, dtype=torch.int64, device=device)
+        storage[0].zero_()
+        return cls(storage)
+
+    @property
+    def count(self) -> torch.Tensor:
+        """[1] int64: violations seen (may exceed capacity)."""
+        return self.storage[0, 0:1]
+
+    @property
+    def checks(self) -> torch.Tensor:
+        """[1] int64: positions checked."""
+        return self.storage[0, 1:2]
+
+    @property
+    def records(self) -> torch.Tensor:
+        """[capacity, RECORD_WIDTH] int64."""
+        return self.storage[1:]
 
     @property
     def capacity(self) -> int:
-        return self.records.shape[0]
+        return self.storage.shape[0] - 1
 
     def reset(self) -> None:
-        self.count.zero_()
-        self.checks.zero_()
+        self.storage[0].zero_()
+
+
+@dataclass
+class PlanBuffers:
+    """One single forward's per-forward values in static device memory: written by
+    `stage_plan` outside any graph, read by the write and verify kernels (maybe in a graph)."""
+
+    # [max_rows] int32: positions [0, len) of batch row b are checked (rows < live_rows only)
+    verify_lens: torch.Tensor
+    # [1] int32: batch rows >= live_rows are CUDA-graph padding
+    live_rows: torch.Tensor
+    # [1] int32: this forward is sampled for checking
+    verify_on: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_rows: int, device) -> "PlanBuffers":
+        return cls(
+            verify_lens=torch.zeros(max_rows, dtype=torch.int32, device=device),
+            live_rows=torch.zeros(1, dtype=torch.int32, device=device),
+            verify_on=torch.zeros(1, dtype=torch.int32, device=device),
+        )
+
+
+@dataclass
+class ForwardPlan:
+    """What `stage_plan` reads off a batch before its forward. Row b's prefix (positions
+    already in KV) is the position of its first token."""
+
+    positions: torch.Tensor  # [n] KV position of each token
+    # [>= batch_size] tokens of each row when rows differ in length; None: row b starts at
+    # token b * tokens_per_row
+    extend_seq_lens: Optional[torch.Tensor]
+    tokens_per_row: int
+    batch_size: int  # live rows; 0 for a forward that reads and writes no KV
+    speculative_tail: int  # trailing prefix positions holding draft tokens: not checked
+    verify: bool  # sampled for checking

@@ -1,6 +1,8 @@
-"""Fused triton write and verify kernels; reference.py is their specification.
+"""Fused triton stage, write and verify kernels; reference.py is their specification.
 
-Both are CUDA-graph safe: grids depend only on tensor shapes (fixed for a captured batch size),
+Stage runs outside graphs, once per forward, and replaces a dozen small torch ops: at batch
+size 1 the decode loop is bound by host launches, so each launch saved is time saved.
+Write and verify are CUDA-graph safe: grids depend only on tensor shapes (fixed for a captured batch size),
 every per-forward value (live rows, prefix lengths, the sampling switch) is read from device
 memory, and violations go to a fixed-capacity device buffer through an atomic counter. Nothing
 here reads a value back to the host.
@@ -18,10 +20,13 @@ from sglang.srt.kv_canary.contract import (
     RECORD_WIDTH,
     FingerprintCheck,
     FingerprintWrite,
+    ForwardPlan,
+    PlanBuffers,
     ViolationSink,
 )
 from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord
 
+STAGE_BLOCK = 128
 WRITE_BLOCK = 128
 VERIFY_BLOCK = 128
 # Programs per request row in verify: a long prefix is split across them in strided blocks.
@@ -42,6 +47,61 @@ def _mix64(x):
 def _fingerprint(tag, pos, token, salt):
     inner = _mix64((pos << 32) ^ (token & 0xFFFFFFFF) ^ salt)
     return _mix64(inner ^ tag) | 1
+
+
+@triton.jit
+def _stage_block(
+    start, tokens_before, positions, extend_seq_lens, verify_lens, bs, tokens_per_row, speculative_tail,
+    VARIABLE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """verify_lens for batch rows [start, start + BLOCK); returns the tokens of rows < start + BLOCK."""
+    b = start + tl.arange(0, BLOCK)
+    in_range = b < bs
+    if VARIABLE:
+        lens = tl.load(extend_seq_lens + b, mask=in_range, other=0).to(tl.int64)
+        first = tokens_before + tl.cumsum(lens, 0) - lens
+        tokens_before += tl.sum(lens, 0)
+    else:
+        first = b.to(tl.int64) * tokens_per_row
+    prefix = tl.load(positions + first, mask=in_range, other=0).to(tl.int64)
+    tl.store(verify_lens + b, tl.maximum(prefix - speculative_tail, 0).to(tl.int32), mask=in_range)
+    return tokens_before
+
+
+@triton.jit
+def _stage_kernel(
+    positions,  # [n]
+    extend_seq_lens,  # [>= bs], or a dummy when VARIABLE is False
+    verify_lens,  # [max_rows] int32
+    live_rows,  # [1] int32
+    verify_on,  # [1] int32
+    sink_counters,  # [2] int64 (row 0 of the sink's storage)
+    bs,
+    tokens_per_row,
+    speculative_tail,
+    verify,
+    VARIABLE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DYNAMIC_BOUND: tl.constexpr,  # as in _verify_kernel: the interpreter needs a static bound
+    STATIC_ITERS: tl.constexpr,
+):
+    # One program: rows of varying length need a running sum of lengths across blocks.
+    tokens_before = tl.zeros((1,), dtype=tl.int64)
+    if DYNAMIC_BOUND:
+        for start in range(0, bs, BLOCK):
+            tokens_before = _stage_block(
+                start, tokens_before, positions, extend_seq_lens, verify_lens, bs, tokens_per_row,
+                speculative_tail, VARIABLE, BLOCK,
+            )
+    else:
+        for it in range(STATIC_ITERS):
+            tokens_before = _stage_block(
+                it * BLOCK, tokens_before, positions, extend_seq_lens, verify_lens, bs, tokens_per_row,
+                speculative_tail, VARIABLE, BLOCK,
+            )
+    tl.store(live_rows, bs)
+    tl.store(verify_on, verify)
+    tl.store(sink_counters + tl.arange(0, 2), tl.zeros((2,), dtype=tl.int64))
 
 
 @triton.jit
@@ -197,6 +257,26 @@ def _verify_kernel(
             )
 
     tl.atomic_add(checks, n.to(tl.int64), mask=split == 0)
+
+
+def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sink: ViolationSink) -> None:
+    variable = plan.extend_seq_lens is not None
+    _stage_kernel[(1,)](
+        plan.positions,
+        plan.extend_seq_lens if variable else plan.positions,
+        buffers.verify_lens,
+        buffers.live_rows,
+        buffers.verify_on,
+        sink.storage,
+        plan.batch_size,
+        max(plan.tokens_per_row, 1),
+        plan.speculative_tail,
+        int(plan.verify),
+        VARIABLE=variable,
+        BLOCK=STAGE_BLOCK,
+        DYNAMIC_BOUND=not _interpreted(),
+        STATIC_ITERS=triton.cdiv(buffers.verify_lens.numel(), STAGE_BLOCK),
+    )
 
 
 def write_fingerprints(

@@ -62,7 +62,7 @@ class CanaryManager:
         self.config = config
         self.record = record
         self.group = group
-        self.impl = impl  # reference or kernels: write_fingerprints / verify_fingerprints
+        self.impl = impl  # reference or kernels: stage_plan / write_fingerprints / verify_fingerprints
         self.fault_injector = fault_injector
         self.single_forwards = [
             SingleForwardCanary(i, record.req_to_token.shape[0], config.violation_capacity, record.device)
@@ -125,7 +125,9 @@ class CanaryManager:
             self.fault_injector.maybe_inject(self, maybe_inaccurate_forward_batch)
         verify = self.sampler.tick()
         for index in indices:
-            self.single_forwards[index].stage(self.record, self.group, maybe_inaccurate_forward_batch, verify)
+            self.single_forwards[index].stage(
+                self.impl, self.record, self.group, maybe_inaccurate_forward_batch, verify
+            )
         self._outside = indices
         try:
             yield
@@ -154,16 +156,16 @@ class CanaryManager:
         nothing; the counts staged by an enclosing bracket (a recapture from inside a forward)
         are put back afterwards, in stream order.
         """
-        saved = [sf.live_rows.clone() for sf in self.single_forwards]
+        saved = [sf.plan.live_rows.clone() for sf in self.single_forwards]
         for sf in self.single_forwards:
-            sf.live_rows.zero_()
+            sf.plan.live_rows.zero_()
         self._capturing += 1
         try:
             yield
         finally:
             self._capturing -= 1
             for sf, live_rows in zip(self.single_forwards, saved):
-                sf.live_rows.copy_(live_rows)
+                sf.plan.live_rows.copy_(live_rows)
 
     # ---------------------------------------------------------------- the forward itself
 

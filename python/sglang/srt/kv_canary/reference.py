@@ -1,4 +1,4 @@
-"""Plain-torch write and verify: the specification the triton kernels (kernels.py) must match.
+"""Plain-torch stage, write and verify: the specification the triton kernels (kernels.py) must match.
 
 Used by the CPU tests and by the manager on CPU devices. Host syncs are fine here; ordering of
 violation records is by (batch row, position), while the kernels record in any order.
@@ -11,12 +11,34 @@ import torch
 from sglang.srt.kv_canary.contract import (
     FingerprintCheck,
     FingerprintWrite,
+    ForwardPlan,
+    PlanBuffers,
     ViolationSink,
 )
 from sglang.srt.kv_canary.fingerprint import fingerprint, pack_writer
 from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord
 
 _LOW32 = 0xFFFFFFFF
+
+
+def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sink: ViolationSink) -> None:
+    """Write one forward's plan into its static buffers and empty its sink.
+
+    verify_lens[b] = max(prefix of row b - speculative_tail, 0) for the live rows; rows at and
+    past batch_size are left as they are (the kernels read only rows < live_rows).
+    """
+    bs = plan.batch_size
+    if bs > 0:
+        if plan.extend_seq_lens is None:
+            first = torch.arange(bs, device=plan.positions.device) * plan.tokens_per_row
+        else:
+            lens = plan.extend_seq_lens[:bs].to(torch.int64)
+            first = torch.cumsum(lens, 0) - lens
+        prefix = plan.positions.to(torch.int64)[first]
+        buffers.verify_lens[:bs] = (prefix - plan.speculative_tail).clamp(min=0).to(torch.int32)
+    buffers.live_rows.fill_(bs)
+    buffers.verify_on.fill_(int(plan.verify))
+    sink.reset()
 
 
 def write_fingerprints(

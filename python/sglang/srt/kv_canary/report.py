@@ -146,6 +146,9 @@ class CanaryReporter:
     def report(self, drained: DrainedForward, group: str) -> list[Violation]:
         if not drained.staged.verify:
             return []
+        if drained.violation_count == 0:  # the common case: count the checks, nothing to log
+            self.stats.add(group, drained.checks, 0, 0)
+            return []
         violations = decode_records(drained, group)
         dropped = drained.violation_count - len(violations)
         self.stats.add(group, drained.checks, drained.violation_count, dropped)
@@ -175,12 +178,20 @@ _prometheus_unavailable = False
 
 
 def _prometheus_add(group: str, checks: int, violations: int) -> None:
-    counters = _prometheus()
+    counters = _prometheus_children.get(group)
     if counters is None:
-        return
+        parents = _prometheus()
+        if parents is None:
+            return
+        # labels() takes a lock and a dict lookup per call: resolve each group's children once.
+        counters = _prometheus_children.setdefault(group, tuple(c.labels(group=group) for c in parents))
     checks_counter, violations_counter = counters
-    checks_counter.labels(group=group).inc(checks)
-    violations_counter.labels(group=group).inc(violations)
+    checks_counter.inc(checks)
+    if violations:
+        violations_counter.inc(violations)
+
+
+_prometheus_children: dict[str, tuple] = {}
 
 
 def _prometheus():
