@@ -175,6 +175,8 @@ def violation_as_dict(violation: Violation) -> dict:
 _prometheus_lock = threading.Lock()
 _prometheus_counters: Optional[tuple] = None
 _prometheus_unavailable = False
+# group -> (checks child, violations child)
+_prometheus_children: dict[str, tuple] = {}
 
 
 def _prometheus_add(group: str, checks: int, violations: int) -> None:
@@ -189,9 +191,6 @@ def _prometheus_add(group: str, checks: int, violations: int) -> None:
     checks_counter.inc(checks)
     if violations:
         violations_counter.inc(violations)
-
-
-_prometheus_children: dict[str, tuple] = {}
 
 
 def _prometheus():

@@ -117,8 +117,9 @@ class SingleForwardCanary:
     def stage(self, impl, record: RequestRecord, owner: FingerprintGroup, forward_batch, verify: bool) -> None:
         view = batch_view.view_of(forward_batch)
         if view.skipped:
-            idle = ForwardPlan(self.plan.live_rows, None, 1, 0, 0, verify=False)
-            impl.stage_plan(idle, self.plan, self.sink)
+            # Zero live rows: the kernel reads no position, so any tensor stands in for them.
+            nothing = ForwardPlan(self.plan.live_rows, None, 1, 0, 0, verify=False)
+            impl.stage_plan(nothing, self.plan, self.sink)
             self.staged = StagedForward(view.mode, 0, verify=False)
             return
         bs = view.batch_size
