@@ -15,7 +15,14 @@ from typing import Optional
 import torch
 
 from sglang.srt.kv_canary import reference
-from sglang.srt.kv_canary.contract import FingerprintCheck, FingerprintWrite, ForwardPlan, PlanBuffers, ViolationSink
+from sglang.srt.kv_canary.contract import (
+    FingerprintCheck,
+    FingerprintWrite,
+    ForwardPlan,
+    PlanBuffers,
+    ViolationSink,
+    ViolationSinks,
+)
 from sglang.srt.kv_canary.fingerprint import FREED
 from sglang.srt.kv_canary.tables import RequestRecord
 
@@ -254,6 +261,7 @@ class StageCase:
     speculative_tail: int = 0
     verify: bool = True
     positions_dtype: torch.dtype = torch.int64
+    num_sinks: int = 1  # single forwards of the manager (EAGLE draft: inner draft steps)
 
 
 STAGE_CASES = [
@@ -267,11 +275,12 @@ STAGE_CASES = [
     StageCase("speculative_tail_clamps", bs=6, speculative_tail=3),
     StageCase("not_sampled", verify=False),
     StageCase("int32_positions", bs=7, variable=True, positions_dtype=torch.int32),
+    StageCase("draft_steps_share_one_stage", bs=3, tokens_per_row=4, num_sinks=4),
 ]
 
 
 def build_stage(case: StageCase, device: torch.device):
-    """(plan, buffers, sink): buffers hold garbage past the batch, the sink a previous forward's counts."""
+    """(plan, buffers, sinks): buffers hold garbage past the batch, the sinks earlier forwards' counts."""
     gen = torch.Generator().manual_seed(case.seed)
     lens = None
     if case.variable:
@@ -284,8 +293,10 @@ def build_stage(case: StageCase, device: torch.device):
     buffers.verify_lens.copy_(torch.randint(-5, 50, (case.max_rows,), generator=gen, dtype=torch.int32))
     buffers.live_rows.fill_(99)
     buffers.verify_on.fill_(7)
-    sink = ViolationSink.allocate(8, device)
-    sink.storage[0, :2] = torch.tensor([3, 41])
+    # Every sink of the manager holds an earlier bracket's counts; stage empties them all.
+    sinks = ViolationSinks.allocate(case.num_sinks, 8, device)
+    sinks.storage[:, 0, :2] = torch.randint(1, 50, (case.num_sinks, 2), generator=gen)
+    sinks.storage[:, 1:] = 5  # records of earlier forwards stay (past the count, never read)
     plan = ForwardPlan(
         positions=positions.to(device),
         extend_seq_lens=None if lens is None else lens.to(device),
@@ -294,7 +305,7 @@ def build_stage(case: StageCase, device: torch.device):
         speculative_tail=case.speculative_tail,
         verify=case.verify,
     )
-    return plan, buffers, sink
+    return plan, buffers, sinks
 
 
 def compare_stage(case: StageCase, impl, device: torch.device) -> Optional[str]:
@@ -309,5 +320,5 @@ def compare_stage(case: StageCase, impl, device: torch.device) -> Optional[str]:
         if not torch.equal(a, b):
             problems.append(f"{name}: {b.tolist()[:8]} != reference {a.tolist()[:8]}")
     if not torch.equal(expected[2].storage, got[2].storage.cpu()):
-        problems.append("sink differs")
+        problems.append("sinks differ")
     return "; ".join(problems) or None

@@ -8,12 +8,13 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from canary_sim import SimEngine, draft_step_batch
 from sglang.srt.kv_canary.config import CanaryMode, parse_canary_config
 from sglang.srt.kv_canary.manager import flush_deferred_findings
 from sglang.srt.kv_canary.report import KVCanaryViolationError
-from sglang.srt.kv_canary.single_forward import SingleForwardCanary
+from sglang.srt.kv_canary.staging import SinkDrainer
 
 
 class Gate:
@@ -37,17 +38,16 @@ def deferred(monkeypatch):
     manager = engine.draft
     manager.config = replace(manager.config, mode=CanaryMode.RAISE, deferred_drain=True)
     gates: list[Gate] = []
-    real_drain = SingleForwardCanary.drain
+    real_drain = SinkDrainer.drain
 
-    def gated_drain(self, deferred_drain=False):
+    def gated_drain(self, staged, indices, deferred_drain):
         assert deferred_drain, "the manager did not ask for a deferred drain"
-        pending = real_drain(self, deferred_drain)
-        if pending is not None:
-            pending.copied = Gate()
-            gates.append(pending.copied)
+        pending = real_drain(self, staged, indices, deferred_drain)
+        pending.copied = Gate()
+        gates.append(pending.copied)
         return pending
 
-    monkeypatch.setattr(SingleForwardCanary, "drain", gated_drain)
+    monkeypatch.setattr(SinkDrainer, "drain", gated_drain)
     reported: list[str] = []
     bad_labels: set[str] = set()
 
@@ -68,15 +68,16 @@ def bracket(d, indices):
 def test_findings_wait_for_their_copy_and_keep_bracket_order(deferred):
     d = deferred
     bracket(d, [0, 1])
-    assert d.reported == [] and len(d.gates) == 2
-    d.gates[1].open = True  # the later one landed first: nothing may overtake the earlier one
+    assert d.reported == [] and len(d.gates) == 1  # one copy for the bracket's two forwards
     bracket(d, [2])
+    d.gates[1].open = True  # the later one landed first: nothing may overtake the earlier one
+    bracket(d, [0])
     assert d.reported == []
     d.gates[0].open = True
-    bracket(d, [0])
-    assert d.reported == ["draft step 0", "draft step 1"]
+    bracket(d, [1])
+    assert d.reported == ["draft step 0", "draft step 1", "draft step 2"]
     d.manager.flush()
-    assert d.reported == ["draft step 0", "draft step 1", "draft step 2", "draft step 0"]
+    assert d.reported == ["draft step 0", "draft step 1", "draft step 2", "draft step 0", "draft step 1"]
 
 
 def test_raise_mode_raises_at_the_bracket_that_reads_the_findings(deferred):
@@ -154,19 +155,21 @@ class CountingGate(Gate):
         super().synchronize()
 
 
-def _pending_with(host, gate, release=None):
-    from sglang.srt.kv_canary.single_forward import PendingDrain, StagedForward
+def _pending_with(host, gate, release=None, indices=(0,)):
+    from sglang.srt.kv_canary.staging import PendingDrain, StagedForward
 
-    return PendingDrain(StagedForward("DECODE", 1, True, ["r"]), host, gate, release)
+    return PendingDrain(StagedForward("DECODE", 1, True, ["r"]), indices, host, gate, release)
 
 
-def _sink_copy(count, checks, records=()):
+def _sink_copy(count, checks, records=(), num_sinks=1):
+    """Host copy of a manager's sinks: sink 0 holds (count, checks, records), the others junk."""
     import torch
 
-    host = torch.full((1 + 4, 8), -1, dtype=torch.int64)
-    host[0, :2] = torch.tensor([count, checks])
+    host = torch.full((num_sinks, 1 + 4, 8), -1, dtype=torch.int64)
+    host[:, 0, :2] = torch.tensor([count + 100, checks + 100])
+    host[0, 0, :2] = torch.tensor([count, checks])
     for i, r in enumerate(records):
-        host[1 + i] = torch.tensor(r)
+        host[0, 1 + i] = torch.tensor(r)
     return host
 
 
@@ -176,8 +179,9 @@ def test_a_landed_copy_is_read_without_waiting_and_its_buffer_handed_back():
     assert not pending.ready()
     gate.open = True
     assert pending.ready()
-    result = pending.result()
+    [(index, result)] = pending.result()
     assert gate.waits == 0, "result() waited on a copy ready() had already seen land"
+    assert index == 0
     assert (result.violation_count, result.checks, result.records.tolist()) == (1, 12, [[0, 3, 5, 40, 7, 8, 9, 10]])
     assert released == [pending]
     pending.host.fill_(0)  # the buffer is reused by a later drain: the result keeps its own copy
@@ -186,22 +190,32 @@ def test_a_landed_copy_is_read_without_waiting_and_its_buffer_handed_back():
 
 def test_reading_an_unlanded_copy_waits_for_it():
     gate = CountingGate()
-    result = _pending_with(_sink_copy(0, 30), gate).result()
+    [(_, result)] = _pending_with(_sink_copy(0, 30), gate).result()
     assert gate.waits == 1 and (result.violation_count, result.checks) == (0, 30)
 
 
 def test_records_past_capacity_are_counted_not_read():
-    result = _pending_with(_sink_copy(9, 30, [[i] * 8 for i in range(4)]), None).result()
+    [(_, result)] = _pending_with(_sink_copy(9, 30, [[i] * 8 for i in range(4)]), None).result()
     assert result.violation_count == 9 and len(result.records) == 4
+
+
+def test_a_bracket_reads_only_the_sinks_of_the_forwards_it_ran():
+    """One copy holds every sink of the manager; a draft extend (single forward 0 only) must
+    not report the draft steps' sinks, and a draft replay reports each step's own."""
+    host = _sink_copy(1, 12, [[0, 3, 5, 40, 7, 8, 9, 10]], num_sinks=3)
+    host[2, 0, :2] = torch.tensor([0, 7])
+    assert [(i, d.violation_count, d.checks) for i, d in _pending_with(host, None).result()] == [(0, 1, 12)]
+    ran_all = _pending_with(host, None, indices=(0, 2)).result()
+    assert [(i, d.violation_count, d.checks) for i, d in ran_all] == [(0, 1, 12), (2, 0, 7)]
 
 
 def test_pinned_copies_are_reused_once_handed_back():
     import torch
 
-    from sglang.srt.kv_canary.single_forward import _PinnedCopies
+    from sglang.srt.kv_canary.staging import _PinnedCopies
 
-    pool = _PinnedCopies(torch.zeros(5, 8, dtype=torch.int64))
-    pair = (torch.zeros(5, 8, dtype=torch.int64), Gate())
+    pool = _PinnedCopies(torch.zeros(2, 5, 8, dtype=torch.int64))
+    pair = (torch.zeros(2, 5, 8, dtype=torch.int64), Gate())
     pool.give_back(_pending_with(*pair))
     host, event = pool.take()
     assert host is pair[0] and event is pair[1]

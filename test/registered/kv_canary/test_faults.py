@@ -10,6 +10,7 @@ from canary_sim import Batch, Mode, SimEngine
 from sglang.srt.kv_canary import faults
 from sglang.srt.kv_canary.config import CanaryMode
 from sglang.srt.kv_canary.faults import ENV_FAULT, ENV_FAULT_STEP, FaultConfig, FaultKind, parse_fault_config
+from sglang.srt.kv_canary.fingerprint import FREED
 from sglang.srt.kv_canary.report import KVCanaryViolationError
 
 
@@ -98,8 +99,9 @@ def test_a_freed_slot_still_referenced_is_detected_before_reuse(two_requests):
 
     api.on_free(engine.allocator, torch.tensor([slot]))
     v = _violations_of_next_round(engine, [a])[0]
-    assert (v.position, v.found_fp, v.found_writer_row) == (2, 2, None)
-    assert "found freed" in v.describe()
+    # The report names the slot's last write: the freeing did not erase who wrote it.
+    assert (v.position, v.found_fp, v.found_writer_row, v.found_writer_pos) == (2, FREED, a.row, 2)
+    assert f"found freed (last written for row {a.row} pos 2)" in v.describe()
 
 
 def test_a_draft_step_bound_to_another_pool_is_detected(two_requests):

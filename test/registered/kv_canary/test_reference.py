@@ -16,10 +16,12 @@ from sglang.srt.kv_canary.contract import (
     REC_SLOT,
     FingerprintCheck,
     FingerprintWrite,
+    PlanBuffers,
     ViolationSink,
+    ViolationSinks,
 )
 from sglang.srt.kv_canary.fingerprint import FREED, NEVER_WRITTEN, fingerprint, pack_writer, unpack_writer
-from sglang.srt.kv_canary.single_forward import SingleForwardCanary
+from sglang.srt.kv_canary.staging import stage_forward
 from sglang.srt.kv_canary.tables import IDENTITY_CONTENT, IDENTITY_REQUEST, RequestRecord
 
 ROWS, CONTEXT, SLOTS = 6, 32, 256
@@ -215,10 +217,10 @@ def test_multi_layer_steps_skip_their_speculative_tail():
     hold draft tokens, not committed ones, and are not checked."""
     p = Pools()
     step2 = p.record.register_group(object(), "draft step 2", is_draft=True, token_offset=3, num_slots=SLOTS)
-    single = SingleForwardCanary(0, ROWS, 8, torch.device("cpu"))
+    plan = PlanBuffers.allocate(ROWS, "cpu")
     from canary_sim import Batch, Mode
 
     batch = Batch(Mode.DECODE, 2, torch.tensor([1, 2]), torch.tensor([10, 1]), torch.tensor([0, 0]),
                   torch.tensor([0, 0]), None, rids=["a", "b"])
-    single.stage(reference, p.record, step2, batch, verify=True)
-    assert single.plan.verify_lens[:2].tolist() == [8, 0]
+    stage_forward(reference, p.record, step2, batch, True, plan, ViolationSinks.allocate(1, 8, "cpu"))
+    assert plan.verify_lens[:2].tolist() == [8, 0]

@@ -97,9 +97,36 @@ class ViolationSink:
 
 
 @dataclass
+class ViolationSinks:
+    """The sinks of one manager's single forwards in one tensor: a bracket empties them all in
+    its stage launch and takes them off the device in one copy, however many forwards it covers.
+    """
+
+    # [num_sinks, 1 + capacity, RECORD_WIDTH] int64; storage[i] is single forward i's sink
+    storage: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_sinks: int, capacity: int, device) -> "ViolationSinks":
+        storage = torch.full((num_sinks, 1 + capacity, RECORD_WIDTH), -1, dtype=torch.int64, device=device)
+        storage[:, 0].zero_()
+        return cls(storage)
+
+    def sink(self, index: int) -> ViolationSink:
+        return ViolationSink(self.storage[index])
+
+    @property
+    def num_sinks(self) -> int:
+        return self.storage.shape[0]
+
+    def reset(self) -> None:
+        self.storage[:, 0].zero_()
+
+
+@dataclass
 class PlanBuffers:
-    """One single forward's per-forward values in static device memory: written by
-    `stage_plan` outside any graph, read by the write and verify kernels (maybe in a graph)."""
+    """A forward's values in static device memory: written by `stage_plan` outside any graph,
+    read by the write and verify kernels (maybe in a graph). The single forwards of one manager
+    share them: one stage serves every forward of a bracket, and brackets do not overlap."""
 
     # [max_rows] int32: positions [0, len) of batch row b are checked (rows < live_rows only)
     verify_lens: torch.Tensor

@@ -1,11 +1,12 @@
 """Fused triton stage, write and verify kernels; reference.py is their specification.
 
-Stage runs outside graphs, once per forward, and replaces a dozen small torch ops: at batch
-size 1 the decode loop is bound by host launches, so each launch saved is time saved.
-Write and verify are CUDA-graph safe: grids depend only on tensor shapes (fixed for a captured batch size),
-every per-forward value (live rows, prefix lengths, the sampling switch) is read from device
-memory, and violations go to a fixed-capacity device buffer through an atomic counter. Nothing
-here reads a value back to the host.
+Stage runs outside graphs, once per bracket (one forward, or one graph replay of several), and
+replaces a dozen small torch ops: at batch size 1 the decode loop is bound by host launches, so
+each launch saved is time saved. Write and verify are CUDA-graph safe: grids depend only on
+tensor shapes (fixed for a captured batch size), every per-forward value (live rows, prefix
+lengths, the sampling switch) is read from device memory, and violations go to a
+fixed-capacity device buffer through an atomic counter. Nothing here reads a value back to
+the host.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sglang.srt.kv_canary.contract import (
     ForwardPlan,
     PlanBuffers,
     ViolationSink,
+    ViolationSinks,
 )
 from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord
 
@@ -75,11 +77,13 @@ def _stage_kernel(
     verify_lens,  # [max_rows] int32
     live_rows,  # [1] int32
     verify_on,  # [1] int32
-    sink_counters,  # [2] int64 (row 0 of the sink's storage)
+    sinks,  # [NUM_SINKS, 1 + capacity, RECORD_WIDTH] int64: row 0 of each is zeroed
+    sink_stride,
     bs,
     tokens_per_row,
     speculative_tail,
     verify,
+    NUM_SINKS: tl.constexpr,  # fixed per manager: one compiled variant each
     VARIABLE: tl.constexpr,
     BLOCK: tl.constexpr,
     DYNAMIC_BOUND: tl.constexpr,  # as in _verify_kernel: the interpreter needs a static bound
@@ -101,7 +105,8 @@ def _stage_kernel(
             )
     tl.store(live_rows, bs)
     tl.store(verify_on, verify)
-    tl.store(sink_counters + tl.arange(0, 2), tl.zeros((2,), dtype=tl.int64))
+    for i in tl.static_range(NUM_SINKS):
+        tl.store(sinks + i * sink_stride + tl.arange(0, 2), tl.zeros((2,), dtype=tl.int64))
 
 
 @triton.jit
@@ -259,7 +264,7 @@ def _verify_kernel(
     tl.atomic_add(checks, n.to(tl.int64), mask=split == 0)
 
 
-def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sink: ViolationSink) -> None:
+def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sinks: ViolationSinks) -> None:
     variable = plan.extend_seq_lens is not None
     _stage_kernel[(1,)](
         plan.positions,
@@ -267,11 +272,13 @@ def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sink: ViolationSink) -> 
         buffers.verify_lens,
         buffers.live_rows,
         buffers.verify_on,
-        sink.storage,
+        sinks.storage,
+        sinks.storage.stride(0),
         plan.batch_size,
         max(plan.tokens_per_row, 1),
         plan.speculative_tail,
         int(plan.verify),
+        NUM_SINKS=sinks.num_sinks,
         VARIABLE=variable,
         BLOCK=STAGE_BLOCK,
         DYNAMIC_BOUND=not _interpreted(),

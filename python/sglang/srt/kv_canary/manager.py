@@ -21,8 +21,10 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode, VerifySampler
+from sglang.srt.kv_canary.contract import PlanBuffers, ViolationSinks
 from sglang.srt.kv_canary.report import CanaryReporter, KVCanaryViolationError, Violation
-from sglang.srt.kv_canary.single_forward import PendingDrain, SingleForwardCanary
+from sglang.srt.kv_canary.single_forward import SingleForwardCanary
+from sglang.srt.kv_canary.staging import PendingDrain, SinkDrainer, stage_forward
 from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord, move_fingerprints
 
 
@@ -64,17 +66,21 @@ class CanaryManager:
         self.group = group
         self.impl = impl  # reference or kernels: stage_plan / write_fingerprints / verify_fingerprints
         self.fault_injector = fault_injector
+        # One plan and one sink tensor for all single forwards: a bracket stages and drains
+        # them together.
+        self.plan = PlanBuffers.allocate(record.req_to_token.shape[0], record.device)
+        self.sinks = ViolationSinks.allocate(num_single_forwards, config.violation_capacity, record.device)
         self.single_forwards = [
-            SingleForwardCanary(i, record.req_to_token.shape[0], config.violation_capacity, record.device)
-            for i in range(num_single_forwards)
+            SingleForwardCanary(i, self.plan, self.sinks.sink(i)) for i in range(num_single_forwards)
         ]
+        self._drainer = SinkDrainer(self.sinks)
         self.sampler = VerifySampler(config)
         self.reporter = CanaryReporter(config.max_log_lines)
         self._active: Optional[int] = None
         self._outside: Optional[list[int]] = None
         self._capturing = 0
-        # (single forward index, its drain) in bracket order
-        self._pending: deque[tuple[int, PendingDrain]] = deque()
+        # one drain per bracket, in bracket order
+        self._pending: deque[PendingDrain] = deque()
         _live_managers.add(self)
 
     @property
@@ -108,10 +114,10 @@ class CanaryManager:
         """Host-side ops around one forward (or one graph replay covering several).
 
         On entry: report deferred findings that have landed, poison slots freed since the last
-        bracket, inject a configured fault, decide sampling, stage every listed single forward
-        from the batch (the batch as it is before replay: only batch size, rows, positions and
-        rids are read). On exit: drain and report, raising KVCanaryViolationError in raise mode
-        (with deferred drains, at the bracket that reads the findings back).
+        bracket, inject a configured fault, decide sampling, stage the batch once for every
+        listed single forward (the batch as it is before replay: only batch size, rows,
+        positions and rids are read). On exit: drain and report, raising KVCanaryViolationError
+        in raise mode (with deferred drains, at the bracket that reads the findings back).
         """
         indices = list(single_forward_indices)
         for index in indices:
@@ -124,24 +130,21 @@ class CanaryManager:
         if self.fault_injector is not None:
             self.fault_injector.maybe_inject(self, maybe_inaccurate_forward_batch)
         verify = self.sampler.tick()
+        staged = stage_forward(
+            self.impl, self.record, self.group, maybe_inaccurate_forward_batch, verify, self.plan, self.sinks
+        )
         for index in indices:
-            self.single_forwards[index].stage(
-                self.impl, self.record, self.group, maybe_inaccurate_forward_batch, verify
-            )
+            self.single_forwards[index].staged = staged
         self._outside = indices
         try:
             yield
-        except BaseException:
-            for index in indices:
-                self.single_forwards[index].discard()
-            raise
         finally:
+            # On an exception the findings are dropped unread: the next stage empties the sinks.
             self._outside = None
+            for index in indices:
+                self.single_forwards[index].staged = None
 
-        for index in indices:
-            drained = self.single_forwards[index].drain(self.config.deferred_drain)
-            if drained is not None:
-                self._pending.append((index, drained))
+        self._pending.append(self._drainer.drain(staged, indices, self.config.deferred_drain))
         self._report(block=not self.config.deferred_drain or len(self._pending) > MAX_PENDING_DRAINS)
 
     def flush(self) -> None:
@@ -152,20 +155,18 @@ class CanaryManager:
     def capturing(self) -> Iterator[None]:
         """Around CUDA-graph capture (warm-up runs included): pre-ops are recorded, not staged.
 
-        Every single forward's live-row count reads 0 meanwhile, so the warm-up runs touch
-        nothing; the counts staged by an enclosing bracket (a recapture from inside a forward)
-        are put back afterwards, in stream order.
+        The live-row count reads 0 meanwhile, so the warm-up runs touch nothing; the count
+        staged by an enclosing bracket (a recapture from inside a forward) is put back
+        afterwards, in stream order.
         """
-        saved = [sf.plan.live_rows.clone() for sf in self.single_forwards]
-        for sf in self.single_forwards:
-            sf.plan.live_rows.zero_()
+        saved = self.plan.live_rows.clone()
+        self.plan.live_rows.zero_()
         self._capturing += 1
         try:
             yield
         finally:
             self._capturing -= 1
-            for sf, live_rows in zip(self.single_forwards, saved):
-                sf.plan.live_rows.copy_(live_rows)
+            self.plan.live_rows.copy_(saved)
 
     # ---------------------------------------------------------------- the forward itself
 
@@ -214,8 +215,8 @@ class CanaryManager:
     def _report(self, block: bool) -> None:
         """Report drains in bracket order: all of them when blocking, else those landed."""
         violations: list[Violation] = []
-        while self._pending and (block or self._pending[0][1].ready()):
-            index, pending = self._pending.popleft()
-            violations += self.reporter.report(pending.result(), self.label(index))
+        while self._pending and (block or self._pending[0].ready()):
+            for index, drained in self._pending.popleft().result():
+                violations += self.reporter.report(drained, self.label(index))
         if violations and self.config.mode is CanaryMode.RAISE:
             raise KVCanaryViolationError(violations)

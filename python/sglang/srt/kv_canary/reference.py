@@ -14,6 +14,7 @@ from sglang.srt.kv_canary.contract import (
     ForwardPlan,
     PlanBuffers,
     ViolationSink,
+    ViolationSinks,
 )
 from sglang.srt.kv_canary.fingerprint import fingerprint, pack_writer
 from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord
@@ -21,8 +22,8 @@ from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord
 _LOW32 = 0xFFFFFFFF
 
 
-def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sink: ViolationSink) -> None:
-    """Write one forward's plan into its static buffers and empty its sink.
+def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sinks: ViolationSinks) -> None:
+    """Write one forward's plan into the static buffers and empty every sink.
 
     verify_lens[b] = max(prefix of row b - speculative_tail, 0) for the live rows; rows at and
     past batch_size are left as they are (the kernels read only rows < live_rows).
@@ -38,7 +39,7 @@ def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sink: ViolationSink) -> 
         buffers.verify_lens[:bs] = (prefix - plan.speculative_tail).clamp(min=0).to(torch.int32)
     buffers.live_rows.fill_(bs)
     buffers.verify_on.fill_(int(plan.verify))
-    sink.reset()
+    sinks.reset()
 
 
 def write_fingerprints(

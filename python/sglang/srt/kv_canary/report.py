@@ -14,7 +14,7 @@ from typing import Optional
 
 from sglang.srt.kv_canary import contract as rec
 from sglang.srt.kv_canary.fingerprint import FREED, NEVER_WRITTEN, unpack_writer
-from sglang.srt.kv_canary.single_forward import DrainedForward
+from sglang.srt.kv_canary.staging import DrainedForward
 
 logger = logging.getLogger("sglang.srt.kv_canary")
 
@@ -53,6 +53,8 @@ class Violation:
             found = "never written"
         elif self.found_fp == FREED:
             found = "freed"
+            if self.found_writer_row is not None:
+                found += f" (last written for row {self.found_writer_row} pos {self.found_writer_pos})"
         else:
             found = (
                 f"fp=0x{self.found_fp & (2**64 - 1):016x} written for row {self.found_writer_row} "

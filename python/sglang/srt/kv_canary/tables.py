@@ -140,7 +140,7 @@ class RequestRecord:
         """
         if slots.numel() == 0:
             return
-        private = slots.detach().to(torch.int64).clone()
+        private = slots.detach().to(torch.int64, copy=True)
         ready = None
         if private.is_cuda:
             ready = torch.cuda.Event()
@@ -148,20 +148,24 @@ class RequestRecord:
         self._pending_frees.append(_PendingFree(private, ready))
 
     def apply_pending_frees(self) -> None:
+        """Poison every slot freed since the last call, in every group: one launch per group."""
+        if not self._pending_frees:
+            return
         pending, self._pending_frees = self._pending_frees, []
         for item in pending:
             if item.ready is not None:
                 stream = torch.cuda.current_stream(item.slots.device)
                 stream.wait_event(item.ready)
                 item.slots.record_stream(stream)
-            for group in self.groups:
-                poison_slots(group, item.slots)
+        slots = pending[0].slots if len(pending) == 1 else torch.cat([item.slots for item in pending])
+        for group in self.groups:
+            poison_slots(group, slots)
 
 
 def poison_slots(group: FingerprintGroup, slots: torch.Tensor) -> None:
-    """Mark `slots` freed: a live row that still points at one reports it."""
-    group.slot_fp[slots] = FREED
-    group.slot_writer[slots] = -1
+    """Mark `slots` freed: a live row that still points at one reports it. The writer column
+    keeps the last write, which the report names."""
+    group.slot_fp.index_fill_(0, slots, FREED)
 
 
 def move_fingerprints(group: FingerprintGroup, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
