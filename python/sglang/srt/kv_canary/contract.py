@@ -69,9 +69,8 @@ class ViolationSink:
 
     @classmethod
     def allocate(cls, capacity: int, device) -> "ViolationSink":
-        storage = torch.full((1 + capacity, RECORD_WIDTH), -1, dtype=torch.int64, device=device)
-        storage[0].zero_()
-        return cls(storage)
+        """A sink of its own (managers allocate theirs together, as ViolationSinks)."""
+        return ViolationSinks.allocate(1, capacity, device).sink(0)
 
     @property
     def count(self) -> torch.Tensor:
@@ -91,9 +90,6 @@ class ViolationSink:
     @property
     def capacity(self) -> int:
         return self.storage.shape[0] - 1
-
-    def reset(self) -> None:
-        self.storage[0].zero_()
 
 
 @dataclass
