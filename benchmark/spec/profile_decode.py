@@ -69,7 +69,8 @@ def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
         "sync_us_per_step": sum(e["dur"] for e in runtime if e["name"] in SYNC_CALLS) / num_steps,
         "sync_sites": collections.Counter(e["name"] for e in runtime if e["name"] in SYNC_CALLS).most_common(),
         "sync_callers_us_per_step": sync_callers(events, runtime, num_steps),
-        "python_us_per_step": python_frames(events, num_steps, top),
+        "python_us_per_step": python_frames(events, num_steps, 3 * top),
+        "python_self_us_per_step": python_self_time(events, num_steps, 3 * top),
         "kv_canary_us_per_step": outermost_time(events, "kv_canary/", num_steps),
     }
 
@@ -82,6 +83,31 @@ def python_frames(events: list, num_steps: int, top: int) -> list:
         if e.get("cat") == "python_function" and "sglang" in e["name"]:
             inclusive[e["name"].split("sglang/")[-1]] += e["dur"]
     return [(name, round(us / num_steps, 1)) for name, us in inclusive.most_common(top)]
+
+
+def python_self_time(events: list, num_steps: int, top: int) -> list:
+    """Exclusive host time per Python function (its own lines and the torch ops it calls, not
+    its Python callees), per step: where the host's time goes, summed to the whole loop.
+    with_stack traces only."""
+    frames_by_tid = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "python_function":
+            frames_by_tid[e["tid"]].append(e)
+    exclusive = collections.Counter()
+    for frames in frames_by_tid.values():
+        # Frames nest per thread: sorted by start (outer first on ties), a stack of open
+        # frames gives each frame's parent, whose exclusive time loses the child's duration.
+        frames.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []
+        for f in frames:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= f["ts"]:
+                stack.pop()
+            name = f["name"].split("sglang/")[-1]
+            exclusive[name] += f["dur"]
+            if stack:
+                exclusive[stack[-1]["name"].split("sglang/")[-1]] -= f["dur"]
+            stack.append(f)
+    return [(name, round(us / num_steps, 1)) for name, us in exclusive.most_common(top)]
 
 
 def outermost_time(events: list, needle: str, num_steps: int) -> float:

@@ -98,3 +98,18 @@ def test_outermost_time_counts_nested_frames_once_per_thread():
         _frame("sglang/srt/speculative/x.py(4): draft", 0, 1000),  # not canary
     ]
     assert profile_decode.outermost_time(events, "kv_canary/", num_steps=2) == (100 + 20 + 40) / 2
+
+
+def test_python_self_time_subtracts_callees_per_thread():
+    events = [
+        _frame("sglang/srt/a.py(1): loop", 0, 100),
+        _frame("sglang/srt/b.py(2): verify", 10, 30),
+        _frame("sglang/srt/c.py(3): move", 15, 5),
+        _frame("sglang/srt/b.py(2): verify", 50, 20),
+        _frame("sglang/srt/c.py(3): move", 0, 40, tid=2),  # another thread: its own stack
+    ]
+
+    self_time = dict(profile_decode.python_self_time(events, num_steps=1, top=10))
+
+    assert self_time == {"srt/a.py(1): loop": 50.0, "srt/b.py(2): verify": 45.0,
+                         "srt/c.py(3): move": 45.0}

@@ -210,6 +210,15 @@ def test_check_slots_in_range_raises_on_cpu(bad):
     assert "MyPool tgt_loc" in msg and f"slot {bad}" in msg and "[0, 10)" in msg
 
 
+@pytest.mark.parametrize("side", ["tgt", "src"])
+def test_check_move_in_range_names_the_bad_side_on_cpu(side):
+    good, bad = as_loc([1, 2, 3]), as_loc([1, 10, 3])
+    tgt, src = (bad, good) if side == "tgt" else (good, bad)
+    with pytest.raises(IndexError, match=f"MyPool.move_kv_cache {side}_loc: slot 10"):
+        kv_move.check_move_in_range(tgt, src, 10, "MyPool.move_kv_cache")
+    kv_move.check_move_in_range(good, good, 10, "MyPool.move_kv_cache")
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_move_token_rows_cases(case):
     tgt, src = map(as_loc, CASES[case])
@@ -480,18 +489,31 @@ def test_gpu_mla_and_nsa_moves(kind, case):
     torch.cuda.synchronize()
 
 
+BAD_SLOT_CALLS = {
+    "slots": "kv_move.check_slots_in_range(torch.tensor([3, {bad}], device='cuda'), 10, 'Pool tgt_loc')",
+    "move-tgt": "kv_move.check_move_in_range(torch.tensor([3, {bad}], device='cuda'), "
+                "torch.tensor([1, 2], device='cuda'), 10, 'Pool.move_kv_cache')",
+    "move-src": "kv_move.check_move_in_range(torch.tensor([1, 2], device='cuda'), "
+                "torch.tensor([{bad}, 3], device='cuda'), 10, 'Pool.move_kv_cache')",
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("call", sorted(BAD_SLOT_CALLS))
 @pytest.mark.parametrize("bad", [10, -1])
-def test_gpu_out_of_range_slot_is_a_device_assert(bad):
+def test_gpu_out_of_range_slot_is_a_device_assert(bad, call):
     # A device assert poisons the CUDA context, so it runs in a child process.
     code = textwrap.dedent(
-        f"""
+        """
         import torch
         from sglang.srt.mem_cache import kv_move
         kv_move.check_slots_in_range(torch.tensor([3, 9], device="cuda"), 10, "ok")
+        kv_move.check_move_in_range(torch.tensor([3, 9], device="cuda"), torch.tensor([0, 8], device="cuda"), 10, "ok")
         torch.cuda.synchronize()
         print("in-range passed", flush=True)
-        kv_move.check_slots_in_range(torch.tensor([3, {bad}], device="cuda"), 10, "Pool tgt_loc")
+        """
+    ) + BAD_SLOT_CALLS[call].format(bad=bad) + textwrap.dedent(
+        """
         torch.cuda.synchronize()
         print("NOT REACHED", flush=True)
         """
@@ -499,4 +521,4 @@ def test_gpu_out_of_range_slot_is_a_device_assert(bad):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "in-range passed" in proc.stdout, proc.stderr
     assert proc.returncode != 0 and "NOT REACHED" not in proc.stdout
-    assert "Pool tgt_loc" in proc.stderr or "device-side assert" in proc.stderr, proc.stderr
+    assert "device-side assert" in proc.stderr or "outside the pool" in proc.stderr, proc.stderr

@@ -62,7 +62,8 @@ def run_case(accept_index: torch.Tensor, num_draft_tokens: int, seed: int = 0):
     hidden = torch.randn(bs * num_draft_tokens, 5, generator=gen)
     expected = reference_compaction(accept_index, num_draft_tokens, out_cache_loc, pool.kv, predict, hidden)
 
-    compact_accepted_tree_path(
+    predict_before = predict.clone()
+    bonus_tokens = compact_accepted_tree_path(
         accept_index=accept_index,
         num_draft_tokens=num_draft_tokens,
         verify_out_cache_loc=out_cache_loc,
@@ -73,6 +74,10 @@ def run_case(accept_index: torch.Tensor, num_draft_tokens: int, seed: int = 0):
     assert torch.equal(pool.kv, expected[0])
     assert torch.equal(predict, expected[1])
     assert torch.equal(hidden, expected[2])
+    # The bonus token is the path's last node, as verify predicted it.
+    last_nodes = [[r for r in path if r >= 0][-1] for path in accept_index.tolist()]
+    assert bonus_tokens.dtype == torch.int32
+    assert bonus_tokens.tolist() == predict_before[last_nodes].tolist()
     return pool
 
 

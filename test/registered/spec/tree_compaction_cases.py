@@ -83,13 +83,16 @@ def check(case: Case, device) -> None:
     # The reference works in place on CPU copies.
     ref_predict = predict.cpu().clone()
     ref_hidden = hidden.cpu().clone() if hidden is not None else None
-    ref_tgt, ref_src = compact_path_rows_reference(
+    ref_tgt, ref_src, ref_bonus = compact_path_rows_reference(
         accept_index.cpu(), case.num_draft_tokens, out_cache_loc.cpu(), ref_predict, ref_hidden)
 
-    tgt, src = compact_path_rows_triton(accept_index, case.num_draft_tokens, out_cache_loc, predict, hidden)
+    tgt, src, bonus = compact_path_rows_triton(
+        accept_index, case.num_draft_tokens, out_cache_loc, predict, hidden)
 
     assert tgt.dtype == src.dtype == torch.int64
     assert torch.equal(tgt.cpu(), ref_tgt) and torch.equal(src.cpu(), ref_src)
+    assert bonus.dtype == ref_bonus.dtype == torch.int32
+    assert torch.equal(bonus.cpu(), ref_bonus)
     assert torch.equal(predict.cpu(), ref_predict)
     if hidden is not None:
         assert torch.equal(hidden.cpu(), ref_hidden)

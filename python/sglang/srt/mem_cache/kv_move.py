@@ -42,23 +42,41 @@ def check_slots_in_range(loc: torch.Tensor, num_slots: int, what: str) -> None:
                 f"slots [0, {num_slots})"
             )
         return
+    _launch_slot_check(loc.reshape(-1), loc.reshape(-1), loc.numel(), num_slots)
+
+
+def check_move_in_range(
+    tgt_loc: torch.Tensor, src_loc: torch.Tensor, num_slots: int, what: str
+) -> None:
+    """check_slots_in_range for a move's targets and sources (same length), in one kernel
+    on CUDA: the decode loop at small batch is bound by launches on the host."""
+    if tgt_loc.device.type == "cpu":
+        check_slots_in_range(tgt_loc, num_slots, f"{what} tgt_loc")
+        check_slots_in_range(src_loc, num_slots, f"{what} src_loc")
+        return
+    if tgt_loc.numel() == 0:
+        return
+    _launch_slot_check(tgt_loc.reshape(-1), src_loc.reshape(-1), tgt_loc.numel(), num_slots)
+
+
+def _launch_slot_check(a: torch.Tensor, b: torch.Tensor, n: int, num_slots: int) -> None:
     # Reading the verdict on the host would stall the decode loop on every verify. The device
     # assert traps in the stream ahead of the move kernels and leaves the CUDA context failed,
-    # so nothing runs on the bad slot. One kernel: the decode loop at small batch is bound by
-    # launches, and the torch spelling (ge, lt, and, all, assert) is five.
+    # so nothing runs on the bad slot. One kernel: the torch spelling (ge, lt, and, all,
+    # assert) is five per tensor.
     block = 1024
-    _assert_slots_in_range_kernel[(triton.cdiv(loc.numel(), block),)](
-        loc.reshape(-1), loc.numel(), num_slots, BLOCK=block
-    )
+    _assert_slots_in_range_kernel[(triton.cdiv(n, block),)](a, b, n, num_slots, BLOCK=block)
 
 
 # debug=True compiles device_assert in (it is dropped otherwise). The message is fixed at
 # compile time, so it names the check, not the pool: the caller's traceback names the pool.
 @triton.jit(debug=True)
-def _assert_slots_in_range_kernel(loc_ptr, n, num_slots, BLOCK: tl.constexpr):
+def _assert_slots_in_range_kernel(a_ptr, b_ptr, n, num_slots, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    loc = tl.load(loc_ptr + offsets, mask=offsets < n, other=0)
-    tl.device_assert((loc >= 0) & (loc < num_slots), "move_kv_cache: a slot is outside the pool")
+    a = tl.load(a_ptr + offsets, mask=offsets < n, other=0)
+    b = tl.load(b_ptr + offsets, mask=offsets < n, other=0)
+    in_range = (a >= 0) & (a < num_slots) & (b >= 0) & (b < num_slots)
+    tl.device_assert(in_range, "move_kv_cache: a slot is outside the pool")
 
 
 def pool_slot_count(pool) -> int:
@@ -90,9 +108,7 @@ def validate_pool_move(
         return False
     if num_slots is None:
         num_slots = pool_slot_count(pool)
-    name = type(pool).__name__
-    check_slots_in_range(tgt_loc, num_slots, f"{name}.move_kv_cache tgt_loc")
-    check_slots_in_range(src_loc, num_slots, f"{name}.move_kv_cache src_loc")
+    check_move_in_range(tgt_loc, src_loc, num_slots, f"{type(pool).__name__}.move_kv_cache")
     return True
 
 

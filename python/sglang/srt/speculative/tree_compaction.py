@@ -14,10 +14,14 @@ of the block. Rows past the path are left as they are: nothing reads them, and t
 stay allocated to the request (spec v2 over-allocates each request's block) and are
 overwritten by the next round.
 
+The next round drafts from each request's bonus token, the last accepted one: compaction
+returns it too (bonus_tokens: [bs] int32), as it knows where each path ends.
+
 All operations are fixed-size and sync-free. On CUDA one triton kernel moves predict and
-hidden_states and writes the KV slot moves, and the pool moves the KV: at bs 1 the decode loop
-is bound by kernel launches on the host, so the ~20 small torch ops of the plain version
-(plan_accepted_path_moves + compact_rows, kept as the reference and the CPU path) cost tok/s.
+hidden_states, writes the KV slot moves and the bonus tokens, and the pool moves the KV: at
+bs 1 the decode loop is bound by kernel launches on the host, so the ~20 small torch ops of the
+plain version (plan_accepted_path_moves + compact_rows + bonus_tokens_of_compacted, kept as the
+reference and the CPU path) cost tok/s.
 """
 
 from __future__ import annotations
@@ -80,6 +84,18 @@ def plan_accepted_path_moves(accept_index: torch.Tensor, num_draft_tokens: int) 
     return AcceptedPathMoves(dst_rows=front.flatten(), src_rows=src.flatten())
 
 
+def bonus_tokens_of_compacted(
+    accept_index: torch.Tensor, num_draft_tokens: int, predict: torch.Tensor
+) -> torch.Tensor:
+    """[bs] int32: each request's last accepted token, read from compacted predict (row
+    b * num_draft_tokens + accept_len - 1). Verify always accepts the root, so accept_len >= 1;
+    a row of only -1 reads the root's row."""
+    bs = accept_index.shape[0]
+    accept_len = (accept_index >= 0).sum(dim=1).clamp_(min=1)
+    block_start = torch.arange(bs, dtype=torch.int64, device=predict.device) * num_draft_tokens
+    return predict.index_select(0, block_start + accept_len - 1).to(torch.int32)
+
+
 def compact_rows(rows: torch.Tensor, moves: AcceptedPathMoves) -> None:
     """rows[dst] = rows[src] in place, for a tensor laid out [bs * num_draft_tokens, ...].
 
@@ -97,6 +113,7 @@ def _compact_accepted_path_kernel(
     hidden_ptr,  # [bs * num_draft_tokens, hidden_size]; unused without HAS_HIDDEN
     tgt_slots_ptr,  # [bs * max_accept] out
     src_slots_ptr,  # [bs * max_accept] out
+    bonus_ptr,  # [bs] out: the last accepted token
     hidden_row_stride,
     hidden_col_stride,
     hidden_size,
@@ -126,7 +143,9 @@ def _compact_accepted_path_kernel(
                  mask=on_path_slot)
         tl.store(src_slots_ptr + b * max_accept + i, tl.load(out_cache_loc_ptr + src, mask=on_path_slot),
                  mask=on_path_slot)
-        tokens = tl.load(predict_ptr + src, mask=moves)
+        tokens = tl.load(predict_ptr + src, mask=on_path_slot)
+        accept_len = tl.maximum(tl.sum((on_path_slot & (path >= 0)).to(tl.int32), axis=0), 1)
+        tl.store(bonus_ptr + b, tl.sum(tl.where(i == accept_len - 1, tokens, 0), axis=0))
         tl.debug_barrier()
         tl.store(predict_ptr + dst, tokens, mask=moves)
 
@@ -145,9 +164,10 @@ def compact_path_rows_reference(
     verify_out_cache_loc: torch.Tensor,
     predict: torch.Tensor,
     hidden_states: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain torch: compact predict and hidden_states in place; return the KV slot moves
-    (tgt, src), each [bs * max_accept] int64, identity past the path."""
+    (tgt, src), each [bs * max_accept] int64, identity past the path, and the bonus tokens
+    [bs] int32."""
     moves = plan_accepted_path_moves(accept_index, num_draft_tokens)
     compact_rows(predict, moves)
     if hidden_states is not None:
@@ -155,6 +175,7 @@ def compact_path_rows_reference(
     return (
         verify_out_cache_loc.index_select(0, moves.dst_rows).to(torch.int64),
         verify_out_cache_loc.index_select(0, moves.src_rows).to(torch.int64),
+        bonus_tokens_of_compacted(accept_index, num_draft_tokens, predict),
     )
 
 
@@ -164,14 +185,16 @@ def compact_path_rows_triton(
     verify_out_cache_loc: torch.Tensor,
     predict: torch.Tensor,
     hidden_states: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """compact_path_rows_reference in one kernel launch."""
     bs, max_accept = accept_index.shape
     _check_path_fits(max_accept, num_draft_tokens)
-    tgt_slots = torch.empty(bs * max_accept, dtype=torch.int64, device=accept_index.device)
-    src_slots = torch.empty_like(tgt_slots)
+    tgt_slots, src_slots = torch.empty(
+        (2, bs * max_accept), dtype=torch.int64, device=accept_index.device
+    )
+    bonus_tokens = torch.empty(bs, dtype=torch.int32, device=accept_index.device)
     if bs == 0:
-        return tgt_slots, src_slots
+        return tgt_slots, src_slots, bonus_tokens
     has_hidden = hidden_states is not None
     hidden_size = hidden_states.shape[-1] if has_hidden else 0
     block_h = 256
@@ -183,6 +206,7 @@ def compact_path_rows_triton(
         hidden_states if has_hidden else predict,
         tgt_slots,
         src_slots,
+        bonus_tokens,
         hidden_states.stride(0) if has_hidden else 0,
         hidden_states.stride(-1) if has_hidden else 0,
         hidden_size,
@@ -192,7 +216,7 @@ def compact_path_rows_triton(
         HAS_HIDDEN=has_hidden,
         BLOCK_H=block_h,
     )
-    return tgt_slots, src_slots
+    return tgt_slots, src_slots, bonus_tokens
 
 
 def compact_accepted_tree_path(
@@ -203,17 +227,19 @@ def compact_accepted_tree_path(
     kv_pool: MovableKVPool,
     predict: torch.Tensor,
     hidden_states: Optional[torch.Tensor],
-) -> None:
-    """Compact KV slots, predict and hidden_states (when captured) of the accepted paths.
+) -> torch.Tensor:
+    """Compact KV slots, predict and hidden_states (when captured) of the accepted paths;
+    return the bonus tokens, [bs] int32.
 
     accept_index: [bs, max_accept]; verify_out_cache_loc: [bs * num_draft_tokens], the KV slot
     verify wrote for each row; predict: [bs * num_draft_tokens]; hidden_states:
     [bs * num_draft_tokens, hidden] or None. predict and hidden_states change in place.
     """
     compact = compact_path_rows_triton if predict.is_cuda else compact_path_rows_reference
-    tgt_slots, src_slots = compact(
+    tgt_slots, src_slots, bonus_tokens = compact(
         accept_index, num_draft_tokens, verify_out_cache_loc, predict, hidden_states
     )
     kv_pool.move_kv_cache(tgt_slots, src_slots)
     # The KV canary's fingerprints travel with the K/V they describe (no-op when off).
     kv_canary.on_kv_move(kv_pool, tgt_slots, src_slots)
+    return bonus_tokens
