@@ -5,6 +5,9 @@ kernels and CPU ops that differ most between configs).
     python benchmark/spec/profile_decode.py --preset bench --configs chain,tree,tree-v1 \
         --bs 1 --steps 40 --out summary.json
 
+With --with-stack it also prints where the first two configs' host time per step differs, by
+Python function (e.g. --configs tree,tree-v1: what spec v2 does on the host that v1 does not).
+
 Config names are bench_e2e's. The summary, not the trace, is the output: traces are tens of MB.
 """
 
@@ -16,6 +19,7 @@ import bisect
 import collections
 import gzip
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -71,6 +75,10 @@ def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
         "sync_callers_us_per_step": sync_callers(events, runtime, num_steps),
         "python_us_per_step": python_frames(events, num_steps, 3 * top),
         "python_self_us_per_step": python_self_time(events, num_steps, 3 * top),
+        # The scheduler thread alone (idle threads' waits would swamp a comparison), deeper
+        # than the rest: host_time_differences compares two configs' lists.
+        "scheduler_self_us_per_step": python_self_time(
+            scheduler_thread_events(events), num_steps, 10 * top),
         "kv_canary_us_per_step": outermost_time(events, "kv_canary/", num_steps),
     }
 
@@ -83,6 +91,20 @@ def python_frames(events: list, num_steps: int, top: int) -> list:
         if e.get("cat") == "python_function" and "sglang" in e["name"]:
             inclusive[e["name"].split("sglang/")[-1]] += e["dur"]
     return [(name, round(us / num_steps, 1)) for name, us in inclusive.most_common(top)]
+
+
+def frame_name(event: dict) -> str:
+    """A Python frame's name without the sglang/ prefix and without the object address that
+    built-in methods carry ("<built-in method copy_ of Tensor object at 0x7f...>"), so the
+    same function has the same name in two traces."""
+    return re.sub(r" at 0x[0-9a-f]+", "", event["name"].split("sglang/")[-1])
+
+
+def scheduler_thread_events(events: list) -> list:
+    """The events of the thread(s) that run the scheduler's event loop."""
+    tids = {e["tid"] for e in events
+            if e.get("cat") == "python_function" and "scheduler.py" in e["name"] and "event_loop" in e["name"]}
+    return [e for e in events if e.get("tid") in tids]
 
 
 def python_self_time(events: list, num_steps: int, top: int) -> list:
@@ -102,12 +124,22 @@ def python_self_time(events: list, num_steps: int, top: int) -> list:
         for f in frames:
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= f["ts"]:
                 stack.pop()
-            name = f["name"].split("sglang/")[-1]
-            exclusive[name] += f["dur"]
+            exclusive[frame_name(f)] += f["dur"]
             if stack:
-                exclusive[stack[-1]["name"].split("sglang/")[-1]] -= f["dur"]
+                exclusive[frame_name(stack[-1])] -= f["dur"]
             stack.append(f)
     return [(name, round(us / num_steps, 1)) for name, us in exclusive.most_common(top)]
+
+
+def host_time_differences(a: list, b: list, top: int = 15) -> list:
+    """Per Python frame, exclusive host us per step of config a, of config b, and a - b, the
+    largest differences first: which functions make one config's step cost more host time.
+    a and b are python_self_us_per_step lists; a frame missing from one (below its top) counts
+    as 0 there."""
+    us_a, us_b = dict(a), dict(b)
+    rows = [(name, us_a.get(name, 0.0), us_b.get(name, 0.0)) for name in dict.fromkeys([*us_a, *us_b])]
+    rows = [(name, x, y, round(x - y, 1)) for name, x, y in rows]
+    return sorted(rows, key=lambda r: -abs(r[3]))[:top]
 
 
 def outermost_time(events: list, needle: str, num_steps: int) -> float:
@@ -225,6 +257,12 @@ def main() -> None:
               f"{s['memcpy_per_step']:.1f} memcpys per step", flush=True)
         if args.out:  # after every config, so a call cut short keeps what finished
             Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.with_stack and len(results) >= 2:
+        a, b = results[0], results[1]
+        print(f"exclusive host us per step, {a['config']} - {b['config']} (largest differences):")
+        for name, x, y, diff in host_time_differences(a["scheduler_self_us_per_step"],
+                                                      b["scheduler_self_us_per_step"]):
+            print(f"  {diff:>+8.1f}  ({x:>7.1f} vs {y:>7.1f})  {name}")
 
 
 if __name__ == "__main__":

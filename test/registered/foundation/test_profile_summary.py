@@ -113,3 +113,28 @@ def test_python_self_time_subtracts_callees_per_thread():
 
     assert self_time == {"srt/a.py(1): loop": 50.0, "srt/b.py(2): verify": 45.0,
                          "srt/c.py(3): move": 45.0}
+
+
+def test_host_time_differences_rank_frames_by_the_gap_between_two_configs():
+    v2 = [("verify", 900.0), ("resolve_future", 120.0), ("draft", 400.0)]
+    v1 = [("verify", 950.0), ("draft", 400.0), ("v1_only", 30.0)]
+
+    rows = profile_decode.host_time_differences(v2, v1, top=3)
+
+    # resolve_future exists only in v2 (counts 0 in v1); draft costs the same and drops out.
+    assert rows == [("resolve_future", 120.0, 0.0, 120.0), ("verify", 900.0, 950.0, -50.0),
+                    ("v1_only", 0.0, 30.0, -30.0)]
+
+
+def test_scheduler_thread_frames_keep_their_names_across_traces():
+    events = [
+        _frame("sglang/srt/managers/scheduler.py(1579): event_loop_overlap", 0, 100, tid=7),
+        _frame("<built-in method copy_ of Tensor object at 0x7f46cd1eaf30>", 10, 30, tid=7),
+        _frame("threading.py(359): wait", 0, 100, tid=3),  # an idle helper thread
+    ]
+
+    scheduler = profile_decode.scheduler_thread_events(events)
+    self_time = dict(profile_decode.python_self_time(scheduler, num_steps=1, top=10))
+
+    assert self_time == {"srt/managers/scheduler.py(1579): event_loop_overlap": 70.0,
+                         "<built-in method copy_ of Tensor object>": 30.0}
