@@ -106,10 +106,13 @@ def main() -> None:
     # otherwise favour whichever config is measured later: start and discard one first.
     measure(target, draft, names[0], [1], 16, vocab, repeats=1)
     best: dict[tuple, dict] = {}  # (config, bs) -> the fastest row of its engines
+    per_round: dict[tuple, list] = {}  # (config, bs) -> tok/s of each round's engine
     for _ in range(args.rounds):
         for name in names:
             for r in measure(target, draft, name, batch_sizes, args.max_new_tokens, vocab, repeats=args.repeats):
                 r["engines"] = args.rounds
+                per_round.setdefault((name, r["bs"]), []).append(r["tok_per_s"])
+                r["tok_per_s_per_round"] = per_round[name, r["bs"]]
                 if (name, r["bs"]) not in best or r["tok_per_s"] > best[name, r["bs"]]["tok_per_s"]:
                     best[name, r["bs"]] = r
             if args.out:  # a run cut short still leaves the engines it finished
@@ -127,9 +130,21 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     print_pair_ratios(rows, "tree", "tree-v1", "tok_per_s", "tree v2 / v1 tok/s")
+    if args.rounds > 1:
+        spread = round_ratios(per_round, "tree", "tree-v1")
+        if spread:
+            print("tree v2 / v1 tok/s, each round's engines: " + ", ".join(
+                f"bs {bs} [{' '.join(f'{x:.2f}' for x in ratios)}]" for bs, ratios in spread.items()))
     print_pair_ratios(rows, "tree", "chain", "accept_length", "tree / chain accept length")
     if args.png:
         plot(rows, names, args.png, f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}")
+
+
+def round_ratios(per_round: dict[tuple, list], num: str, den: str) -> dict[int, list[float]]:
+    """bs -> num / den tok/s of each round (the engines started next to each other): how far
+    one round's ratio strays from another's, the noise that best-of-rounds smooths."""
+    return {bs: [a / b for a, b in zip(values, per_round[den, bs])]
+            for (name, bs), values in per_round.items() if name == num and (den, bs) in per_round}
 
 
 def print_pair_ratios(rows: list[dict], num: str, den: str, key: str, title: str) -> None:
