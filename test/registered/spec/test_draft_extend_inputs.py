@@ -84,12 +84,13 @@ def verified_decode_batch(prefix_lens: list[int]) -> SimpleNamespace:
     return batch
 
 
-def prepare(prefix_lens, draft_runner, graph_runner):
+def prepare(prefix_lens, draft_runner, graph_runner, lists_unread_on_replay=True):
+    """As EAGLEWorkerV2's draft extend calls it (it opts in to skipping the lists)."""
     draft_input = EagleDraftInput(num_tokens_per_req=WIDTH, num_tokens_for_logprob_per_req=WIDTH)
     predict = torch.arange(len(prefix_lens) * WIDTH, dtype=torch.int32)
     batch = verified_decode_batch(prefix_lens)
     forward_batch = draft_input.prepare_for_extend_to_fill_draft_kvcache(
-        batch, predict, WIDTH, draft_runner, graph_runner
+        batch, predict, WIDTH, draft_runner, graph_runner, lists_unread_on_replay=lists_unread_on_replay
     )
     return forward_batch, draft_input
 
@@ -146,6 +147,16 @@ def test_eager_fallback_keeps_the_generic_setup(prefix_lens):
     assert eager.extend_prefix_lens_cpu == prefix_lens
     assert torch.equal(eager.positions, reference_positions(prefix_lens, WIDTH))
     assert runner.attn_backend.planned == [eager]  # planned once, for the eager forward
+
+
+def test_a_caller_that_reads_the_lists_after_replay_keeps_them():
+    # The multi-layer EAGLE v2 worker updates its hidden-states pool from extend_seq_lens.
+    kept, draft_input = prepare([3, 0, 17, 1], DraftRunner(), GraphRunner(can_run=True),
+                                lists_unread_on_replay=False)
+
+    assert getattr(draft_input, "positions", None) is None
+    assert kept.extend_seq_lens.tolist() == [WIDTH] * 4
+    assert kept.extend_start_loc.tolist() == [0, WIDTH, 2 * WIDTH, 3 * WIDTH]
 
 
 @pytest.mark.parametrize("reads_lists", ["model_is_mrope", "use_ngram_embedding", "lora"])
