@@ -17,6 +17,10 @@ def _kernel(name, ts, dur):
     return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
 
 
+def _frame(name, ts, dur, tid=1):
+    return {"cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
 def _runtime(name, ts=0, dur=1):
     return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur}
 
@@ -49,15 +53,12 @@ def test_summary_counts_per_step_and_merges_overlapping_kernels(tmp_path):
 
 
 def test_sync_callers_are_the_innermost_enclosing_sglang_frames():
-    def frame(name, ts, dur, tid=1):
-        return {"cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": tid}
-
     events = [
-        frame("sglang/srt/managers/scheduler.py(10): event_loop", 0, 1000),
-        frame("sglang/srt/speculative/eagle_worker_v2.py(50): verify", 100, 300),
-        frame("torch/cuda/streams.py(9): synchronize", 150, 100),  # not sglang: skipped
-        frame("sglang/srt/speculative/eagle_worker_v2.py(70): draft", 500, 100),  # after: not enclosing
-        frame("sglang/srt/other.py(1): elsewhere", 160, 20, tid=2),  # other thread
+        _frame("sglang/srt/managers/scheduler.py(10): event_loop", 0, 1000),
+        _frame("sglang/srt/speculative/eagle_worker_v2.py(50): verify", 100, 300),
+        _frame("torch/cuda/streams.py(9): synchronize", 150, 100),  # not sglang: skipped
+        _frame("sglang/srt/speculative/eagle_worker_v2.py(70): draft", 500, 100),  # after: not enclosing
+        _frame("sglang/srt/other.py(1): elsewhere", 160, 20, tid=2),  # other thread
     ]
     runtime = [{"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 160, "dur": 80, "tid": 1}]
 
@@ -72,10 +73,6 @@ def test_env_pairs_are_parsed_and_bad_ones_refused():
         "SGLANG_KV_CANARY": "raise", "X": "a=b", "EMPTY": ""}
     with pytest.raises(SystemExit, match="expected KEY=VALUE"):
         profile_decode.parse_env(["SGLANG_KV_CANARY"])
-
-
-def _frame(name, ts, dur, tid=1):
-    return {"cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": tid}
 
 
 def test_python_frames_rank_sglang_functions_by_inclusive_time():
