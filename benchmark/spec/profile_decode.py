@@ -8,6 +8,9 @@ kernels and CPU ops that differ most between configs).
 With --with-stack it also prints where the first two configs' host time per step differs, by
 Python function (e.g. --configs tree,tree-v1: what spec v2 does on the host that v1 does not).
 
+Each config also gets its GPU idle time split by the host call whose launch ended each gap
+(named by Python frames with --with-stack): the host work the GPU waited for.
+
 Config names are bench_e2e's. The summary, not the trace, is the output: traces are tens of MB.
 """
 
@@ -32,13 +35,17 @@ from specpatch import synth  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
+# Host calls into CUDA: the runtime API (torch) and the driver API (triton launches kernels
+# with cuLaunchKernelEx).
+HOST_CUDA_CALLS = ("cuda_runtime", "cuda_driver")
 
 
 def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
     """Per-iteration counts and the busiest kernels / CPU ops of one chrome trace."""
     events = json.load(gzip.open(path))["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    runtime = [e for e in events if e.get("cat") in HOST_CUDA_CALLS]
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
     # GPU busy time: the union of kernel intervals, so overlapping streams count once.
     busy, end = 0.0, float("-inf")
@@ -73,6 +80,7 @@ def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
         "sync_us_per_step": sum(e["dur"] for e in runtime if e["name"] in SYNC_CALLS) / num_steps,
         "sync_sites": collections.Counter(e["name"] for e in runtime if e["name"] in SYNC_CALLS).most_common(),
         "sync_callers_us_per_step": sync_callers(events, runtime, num_steps),
+        "gpu_idle_by_launch_site_us_per_step": gpu_idle_by_launch_site(events, num_steps),
         "python_us_per_step": python_frames(events, num_steps, 3 * top),
         "python_self_us_per_step": python_self_time(events, num_steps, 3 * top),
         # The scheduler thread alone (idle threads' waits would swamp a comparison), deeper
@@ -157,9 +165,8 @@ def outermost_time(events: list, needle: str, num_steps: int) -> float:
     return round(total / num_steps, 1)
 
 
-def sync_callers(events: list, runtime: list, num_steps: int, depth: int = 3) -> list:
-    """Host waits (syncs and blocking copies, by duration) per innermost sglang Python frames.
-    Needs a trace recorded with_stack; empty otherwise."""
+def sglang_frames_by_thread(events: list) -> tuple[dict, dict]:
+    """sglang Python frames per thread, sorted by start, and their start times (for bisect)."""
     frames_by_tid = collections.defaultdict(list)
     for e in events:
         if e.get("cat") == "python_function" and "sglang" in e["name"]:
@@ -167,20 +174,62 @@ def sync_callers(events: list, runtime: list, num_steps: int, depth: int = 3) ->
     for frames in frames_by_tid.values():
         frames.sort(key=lambda e: e["ts"])
     starts = {tid: [f["ts"] for f in frames] for tid, frames in frames_by_tid.items()}
+    return frames_by_tid, starts
+
+
+def call_site(call: dict, frames_by_tid: dict, starts: dict, depth: int) -> str:
+    """The innermost `depth` sglang frames enclosing a runtime call, innermost first."""
+    frames = frames_by_tid.get(call.get("tid"), [])
+    stack = []
+    # Enclosing frames start before the call and end after it; the innermost start last.
+    for f in reversed(frames[: bisect.bisect_right(starts.get(call.get("tid"), []), call["ts"])][-20000:]):
+        if f["ts"] + f["dur"] >= call["ts"] + call["dur"]:
+            stack.append(f["name"].split("sglang/")[-1])
+            if len(stack) == depth:
+                break
+    return " <- ".join(stack)
+
+
+def sync_callers(events: list, runtime: list, num_steps: int, depth: int = 3) -> list:
+    """Host waits (syncs and blocking copies, by duration) per innermost sglang Python frames.
+    Needs a trace recorded with_stack; empty otherwise."""
+    frames_by_tid, starts = sglang_frames_by_thread(events)
     waits = collections.Counter()
     for call in runtime:
         if call["name"] not in SYNC_CALLS and not ("Memcpy" in call["name"] and call["dur"] > 20):
             continue
-        frames = frames_by_tid.get(call.get("tid"), [])
-        stack = []
-        # Enclosing frames start before the call and end after it; the innermost start last.
-        for f in reversed(frames[: bisect.bisect_right(starts.get(call.get("tid"), []), call["ts"])][-20000:]):
-            if f["ts"] + f["dur"] >= call["ts"] + call["dur"]:
-                stack.append(f["name"].split("sglang/")[-1])
-                if len(stack) == depth:
-                    break
-        waits[" <- ".join(stack) or "?"] += call["dur"]
+        waits[call_site(call, frames_by_tid, starts, depth) or "?"] += call["dur"]
     return [(site, round(us / num_steps, 1)) for site, us in waits.most_common(15)]
+
+
+def gpu_idle_by_launch_site(events: list, num_steps: int, depth: int = 2, top: int = 15) -> list:
+    """GPU idle time per step, by what the GPU was waiting for.
+
+    Each gap in GPU activity (kernels, copies and memsets on any stream) is charged to the host
+    call that launched the activity ending it, named by its innermost sglang frames (with_stack
+    traces; the runtime call's name otherwise). If that call had returned before the gap
+    opened, the work was queued and the GPU waited on a dependency, not on the host: the site
+    is prefixed "queued: ". In an overlap scheduler that keeps the GPU fed, the host-launch
+    gaps are small; where they are not, the site names the host work on the critical path.
+    """
+    activity = sorted((e for e in events if e.get("cat") in GPU_ACTIVITY), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in HOST_CUDA_CALLS and "correlation" in e.get("args", {})}
+    frames_by_tid, starts = sglang_frames_by_thread(events)
+    idle = collections.Counter()
+    end = None
+    for a in activity:
+        if end is not None and a["ts"] > end:
+            call = launches.get(a.get("args", {}).get("correlation"))
+            if call is None:
+                site = "?"
+            else:
+                site = call_site(call, frames_by_tid, starts, depth) or call["name"]
+                if call["ts"] + call["dur"] <= end:
+                    site = "queued: " + site
+            idle[site] += a["ts"] - end
+        end = a["ts"] + a["dur"] if end is None else max(end, a["ts"] + a["dur"])
+    return [(site, round(us / num_steps, 1)) for site, us in idle.most_common(top)]
 
 
 def profile_config(target, draft, name: str, bs: int, num_steps: int, vocab: int, out_dir: Path,
@@ -255,6 +304,9 @@ def main() -> None:
               f"{s['graph_launches_per_step']:.1f} graphs, {s['syncs_per_step']:.1f} syncs "
               f"({s['sync_us_per_step']:.0f} us), "
               f"{s['memcpy_per_step']:.1f} memcpys per step", flush=True)
+        print("  GPU idle us per step, by the launch that ended the gap:")
+        for site, us in s["gpu_idle_by_launch_site_us_per_step"][:8]:
+            print(f"  {us:>8.1f}  {site}")
         if args.out:  # after every config, so a call cut short keeps what finished
             Path(args.out).write_text(json.dumps(results, indent=1))
     if args.with_stack and len(results) >= 2:

@@ -31,6 +31,7 @@ def test_summary_counts_per_step_and_merges_overlapping_kernels(tmp_path):
         _kernel("gemm", 0, 20), _kernel("topk", 10, 20), _kernel("gemm", 60, 20), _kernel("copy", 90, 10),
         _runtime("cudaLaunchKernel"), _runtime("cudaLaunchKernel"), _runtime("cudaLaunchKernel"),
         _runtime("cudaGraphLaunch"), _runtime("cudaStreamSynchronize"), _runtime("cudaMemcpyAsync"),
+        {**_runtime("cuLaunchKernelEx"), "cat": "cuda_driver"},  # triton's launches
         {"cat": "cpu_op", "name": "aten::topk", "ts": 0, "dur": 8},
         {"cat": "cpu_op", "name": "aten::topk", "ts": 50, "dur": 4},
     ]
@@ -43,7 +44,7 @@ def test_summary_counts_per_step_and_merges_overlapping_kernels(tmp_path):
     assert s["gpu_span_us_per_step"] == 50.0
     assert s["gpu_busy_fraction"] == 0.6  # 0..30 and 60..80 and 90..100 of 0..100
     assert s["kernels_per_step"] == 2.0
-    assert s["kernel_launches_per_step"] == 1.5
+    assert s["kernel_launches_per_step"] == 2.0
     assert s["graph_launches_per_step"] == 0.5
     assert s["syncs_per_step"] == 0.5 and s["memcpy_per_step"] == 0.5
     assert s["kernel_count_per_step"][0] == ("gemm", 1.0)
@@ -135,3 +136,53 @@ def test_scheduler_thread_frames_keep_their_names_across_traces():
 
     assert self_time == {"srt/managers/scheduler.py(1579): event_loop_overlap": 70.0,
                          "<built-in method copy_ of Tensor object>": 30.0}
+
+
+def _gpu(cat, ts, dur, correlation):
+    return {"cat": cat, "name": cat, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+
+def _launch(name, ts, dur, correlation, tid=1):
+    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "tid": tid,
+            "args": {"correlation": correlation}}
+
+
+def test_gpu_idle_gaps_are_charged_to_the_launch_that_ended_them():
+    events = [
+        _frame("sglang/srt/managers/scheduler.py(10): event_loop", 0, 1000),
+        _frame("sglang/srt/speculative/eagle_worker_v2.py(50): draft", 0, 100),
+        _frame("sglang/srt/speculative/eagle_worker_v2.py(90): verify", 300, 200),
+        # Kernel 1 at 10..40, launched by draft. The copy ending the 40..60 gap was queued
+        # at 20 (before the gap opened): a dependency wait, not the host.
+        _launch("cudaLaunchKernel", 5, 3, correlation=1), _gpu("kernel", 10, 30, 1),
+        _launch("cudaMemcpyAsync", 20, 2, correlation=2), _gpu("gpu_memcpy", 60, 20, 2),
+        # The GPU idles 80..350 until verify's graph launch at 340 reaches it.
+        _launch("cudaGraphLaunch", 340, 5, correlation=3), _gpu("kernel", 350, 100, 3),
+        # A kernel overlapping the previous one (another stream) closes no gap.
+        _launch("cudaLaunchKernel", 360, 3, correlation=4), _gpu("kernel", 400, 10, 4),
+        # No enclosing sglang frame: the runtime call names the site.
+        _launch("cudaLaunchKernel", 600, 3, correlation=5, tid=2), _gpu("gpu_memset", 610, 5, 5),
+        # Triton launches through the driver API.
+        {**_launch("cuLaunchKernelEx", 640, 3, correlation=6, tid=2), "cat": "cuda_driver"},
+        _gpu("kernel", 645, 5, 6),
+        # A GPU event whose launch is missing from the trace.
+        _gpu("kernel", 700, 5, 99),
+    ]
+
+    idle = dict(profile_decode.gpu_idle_by_launch_site(events, num_steps=2, depth=2))
+
+    verify = "srt/speculative/eagle_worker_v2.py(90): verify <- srt/managers/scheduler.py(10): event_loop"
+    draft = "srt/speculative/eagle_worker_v2.py(50): draft <- srt/managers/scheduler.py(10): event_loop"
+    assert idle == {
+        verify: 135.0,  # (350 - 80) / 2
+        "cudaLaunchKernel": 80.0,  # (610 - 450) / 2
+        "cuLaunchKernelEx": 15.0,  # (645 - 615) / 2
+        "?": 25.0,  # (700 - 650) / 2
+        "queued: " + draft: 10.0,  # (60 - 40) / 2
+    }
+
+
+def test_gpu_idle_of_a_trace_without_gaps_is_empty():
+    events = [_launch("cudaLaunchKernel", 0, 1, 1), _gpu("kernel", 1, 10, 1),
+              _launch("cudaLaunchKernel", 2, 1, 2), _gpu("kernel", 11, 10, 2)]
+    assert profile_decode.gpu_idle_by_launch_site(events, num_steps=1) == []
