@@ -11,6 +11,10 @@ python3 -c "import sglang" 2>/dev/null && [ -n "${PYTHONPATH:-}" ] || source .gp
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu-site .whl/*.whl 2>&1 | grep -v WARNING
 fi
+# FA3, when its parts were shipped to this host (tools/specpatch/fa3_stage.py).
+if [ -f /tmp/fa3/manifest.json ]; then
+  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.fa3_stage install /tmp/fa3 || exit 1
+fi
 export SPECPATCH_MODEL_CACHE=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}
 python3 -m pytest test/registered -m gpu -p no:cacheprovider --summary-json "$out/gpu-summary.json" "$@" 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}

@@ -1,0 +1,223 @@
+"""Ship sgl_kernel's FlashAttention-3 library to the GPU host, in parts.
+
+The GPU bundle (../shared/gpu/stage.sh) leaves FA3 out: `sgl_kernel/flash_ops.abi3.so` is about
+1 GiB and one device call carries at most 64 MiB. The host is an H100, so only the library's
+sm90 cubins are ever loaded there. `pack` zeroes the payloads of the other architectures in
+place, keeping every header and size so that no offset in the ELF moves, gzips the result (the
+zeroed ranges compress to almost nothing) and splits it into parts that each fit one call:
+
+    python -m specpatch.fa3_stage pack .fa3            # here: .fa3/part00 ... + manifest.json
+    # one device call per part, carrying [".fa3/manifest.json", ".fa3/partNN"]:
+    PYTHONPATH=tools python3 -m specpatch.fa3_stage receive .fa3 /tmp/fa3
+    # then, after `source .gpu-bundle/env.sh` (which recreates /tmp/gpu-site) in every call:
+    PYTHONPATH=tools python3 -m specpatch.fa3_stage install /tmp/fa3
+
+`install` checks the assembled archive against the manifest's sha256 before unpacking, so a
+missing or repeated part is an error, not a corrupt library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import shutil
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+LIBRARY = "flash_ops.abi3.so"
+ARCHIVE = LIBRARY + ".gz"
+FATBIN_SECTION = ".nv_fatbin"
+FATBIN_MAGIC = 0xBA55ED50
+# The GPU hosts are H100 / H200.
+HOST_ARCH = 90
+# One call carries 64 MiB with the working tree (a few MiB) and the manifest.
+PART_BYTES = 56 << 20
+
+_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class FatbinEntry:
+    """One cubin or PTX image inside a CUDA fat binary."""
+
+    # byte offset of the image's payload in the file (after its entry header)
+    payload_offset: int
+    payload_size: int
+    kind: int  # 1: PTX, 2: cubin (ELF)
+    arch: int  # e.g. 90 for sm_90
+
+
+def elf_section(data: bytes, name: str) -> tuple[int, int]:
+    """(file offset, size) of an ELF64 little-endian section, read from the section headers.
+
+    `data` may be an mmap: only the headers are touched."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError("not a little-endian ELF64 file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+
+    def header(index: int) -> tuple[int, int, int]:
+        base = shoff + index * shentsize
+        name_offset, = struct.unpack_from("<I", data, base)
+        offset, size = struct.unpack_from("<QQ", data, base + 0x18)
+        return name_offset, offset, size
+
+    _, strtab_offset, _ = header(shstrndx)
+    for index in range(shnum):
+        name_offset, offset, size = header(index)
+        start = strtab_offset + name_offset
+        if data[start:data.find(b"\0", start)] == name.encode():
+            return offset, size
+    raise ValueError(f"no {name} section")
+
+
+def fatbin_entries(data: bytes, section_offset: int, section_size: int) -> list[FatbinEntry]:
+    """Every image of the fat binaries packed one after another in a section.
+
+    Layout: a fat binary is a 16-byte header (magic u32, version u16, header size u16, body
+    size u64) followed by entries, each an entry header (kind u16, version u16, header size
+    u32, payload size u32 (low half of a u64), ..., arch u32 at +28) and its payload. Fat
+    binaries are 8-byte aligned within the section.
+    """
+    entries = []
+    pos, end = section_offset, section_offset + section_size
+    while pos + 16 <= end:
+        magic, _, header_size, body_size = struct.unpack_from("<IHHQ", data, pos)
+        if magic != FATBIN_MAGIC:
+            pos += 8
+            continue
+        entry, body_end = pos + header_size, pos + header_size + body_size
+        while entry < body_end:
+            kind, _, entry_header_size, payload_size = struct.unpack_from("<HHII", data, entry)
+            arch, = struct.unpack_from("<I", data, entry + 28)
+            entries.append(FatbinEntry(entry + entry_header_size, payload_size, kind, arch))
+            entry += entry_header_size + payload_size
+        pos = body_end
+    return entries
+
+
+def zero_other_archs(library: bytes, keep_arch: int) -> tuple[bytearray, int]:
+    """A copy of the library whose images for any arch but `keep_arch` are zeroed; and how many
+    bytes were zeroed. Refuses a library that has no image for `keep_arch`."""
+    entries = fatbin_entries(library, *elf_section(library, FATBIN_SECTION))
+    if not any(e.arch == keep_arch for e in entries):
+        raise ValueError(f"no sm_{keep_arch} image in the library: nothing would run on the host")
+    out = bytearray(library)
+    zeroed = 0
+    for e in entries:
+        if e.arch != keep_arch:
+            out[e.payload_offset:e.payload_offset + e.payload_size] = bytes(e.payload_size)
+            zeroed += e.payload_size
+    return out, zeroed
+
+
+def pack(library: Path, out_dir: Path, keep_arch: int = HOST_ARCH, part_bytes: int = PART_BYTES) -> dict:
+    """Write out_dir/partNN and out_dir/manifest.json; return the manifest."""
+    trimmed, zeroed = zero_other_archs(library.read_bytes(), keep_arch)
+    archive = gzip.compress(bytes(trimmed), compresslevel=6, mtime=0)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    parts = []
+    for index, start in enumerate(range(0, len(archive), part_bytes)):
+        name = f"part{index:02d}"
+        (out_dir / name).write_bytes(archive[start:start + part_bytes])
+        parts.append(name)
+    manifest = {
+        "library": LIBRARY,
+        "source": str(library),
+        "keep_arch": keep_arch,
+        "library_bytes": len(trimmed),
+        "zeroed_bytes": zeroed,
+        "archive_bytes": len(archive),
+        "archive_sha256": hashlib.sha256(archive).hexdigest(),
+        "parts": parts,
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def receive(parts_dir: Path, store: Path) -> list[str]:
+    """Copy the parts present in parts_dir into the store (one device call brings one or more);
+    return the parts the store still lacks."""
+    manifest = json.loads((parts_dir / "manifest.json").read_text())
+    store.mkdir(parents=True, exist_ok=True)
+    shutil.copy(parts_dir / "manifest.json", store / "manifest.json")
+    for name in manifest["parts"]:
+        if (parts_dir / name).is_file():
+            shutil.copy(parts_dir / name, store / name)
+    return [name for name in manifest["parts"] if not (store / name).is_file()]
+
+
+def assemble(store: Path) -> Path:
+    """Unpack the received parts into store/LIBRARY (once), after checking the archive's hash."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    library = store / manifest["library"]
+    if library.is_file() and library.stat().st_size == manifest["library_bytes"]:
+        return library
+    missing = [name for name in manifest["parts"] if not (store / name).is_file()]
+    if missing:
+        raise SystemExit(f"fa3_stage: parts not received yet: {', '.join(missing)}")
+    digest = hashlib.sha256()
+    archive = store / ARCHIVE
+    with archive.open("wb") as out:
+        for name in manifest["parts"]:
+            chunk = (store / name).read_bytes()
+            digest.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != manifest["archive_sha256"]:
+        raise SystemExit("fa3_stage: the received parts do not hash to the packed archive")
+    with gzip.open(archive, "rb") as src, library.open("wb") as dst:
+        shutil.copyfileobj(src, dst, _CHUNK)
+    return library
+
+
+def install(store: Path, sgl_kernel_dir: Path) -> Path:
+    """Put the assembled library into an installed sgl_kernel package."""
+    library = assemble(store)
+    target = sgl_kernel_dir / LIBRARY
+    shutil.copy(library, target)
+    return target
+
+
+def _sgl_kernel_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("fa3_stage: sgl_kernel is not importable here (source .gpu-bundle/env.sh first)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specpatch.fa3_stage", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack", help="zero the other archs, compress, split into parts")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--library", type=Path, help="default: the flash_ops of the sgl_kernel importable here")
+    p.add_argument("--part-mib", type=int, default=PART_BYTES >> 20)
+    r = sub.add_parser("receive", help="on the GPU host: keep this call's parts")
+    r.add_argument("parts_dir", type=Path)
+    r.add_argument("store", type=Path)
+    i = sub.add_parser("install", help="on the GPU host: unpack once, copy into sgl_kernel")
+    i.add_argument("store", type=Path)
+    args = parser.parse_args(argv)
+
+    if args.cmd == "pack":
+        library = args.library or _sgl_kernel_dir() / LIBRARY
+        manifest = pack(library, args.out_dir, part_bytes=args.part_mib << 20)
+        print(json.dumps({k: v for k, v in manifest.items() if k != "archive_sha256"}))
+    elif args.cmd == "receive":
+        missing = receive(args.parts_dir, args.store)
+        print("fa3_stage: all parts received" if not missing else f"fa3_stage: still missing {missing}")
+    else:
+        print(install(args.store, _sgl_kernel_dir()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
