@@ -10,8 +10,8 @@ The decisions, in order (`handle_eagle_family`):
 2. Which scheduler runs it: spec v2 (the overlap scheduler) or spec v1. Tree drafting runs on
    spec v2 only where its accepted-path compaction is implemented and tested: page_size == 1,
    no recurrent (mamba / linear-attention) state, a backend with spec-v2 tree metadata, not
-   the multi-layer (MTP) worker, which drafts chains only, and no DP attention (idle ranks get
-   no tree metadata yet). Anything else runs spec v1 and says why in exactly one warning.
+   the multi-layer (MTP) worker, which drafts chains only, and no DP attention (idle ranks'
+   tree steps are untested). Anything else runs spec v1 and says why in exactly one warning.
 """
 
 from __future__ import annotations
@@ -160,8 +160,9 @@ def choose_spec_version(
     if multi_layer:
         return SpecVersion(False, prefix + "the single-layer draft worker; multi-layer EAGLE drafts chains")
     if dp_attention:
-        # An idle DP rank still runs the verify and draft-extend of the MLP sync; their tree
-        # metadata for an empty batch is not built yet (spec v1 handles it).
+        # An idle DP rank still runs the draft, verify and draft extend of the MLP sync. Spec v2
+        # trees have not run that way on a GPU: a dense Llama target cannot use DP attention at
+        # this base, so it needs a Qwen3 target with an EAGLE3 draft. Upstream's choice stays.
         return SpecVersion(False, prefix + "attention without data parallelism, got --enable-dp-attention")
     unsupported = sorted(set(attention_backends) - SPEC_V2_TREE_ATTENTION_BACKENDS)
     if unsupported:
