@@ -109,3 +109,16 @@ def _pair(tmp_path_factory, preset: str, agreement: float) -> tuple[Path, Path]:
 def toy_pair(tmp_path_factory):
     """1-layer toy target + EAGLE draft agreeing on ~70% of tokens."""
     return _pair(tmp_path_factory, "toy", 0.7)
+
+
+@pytest.fixture(scope="session")
+def qwen3_eagle3_pair(tmp_path_factory):
+    """Dense Qwen3 target (3 layers) + EAGLE3 draft whose first step agrees on ~70% of tokens:
+    the pair DP attention can run (specpatch.synth_eagle3)."""
+    from specpatch import synth, synth_eagle3
+
+    cache = os.environ.get("SPECPATCH_MODEL_CACHE")
+    out = (Path(cache) if cache else tmp_path_factory.mktemp("models")) / "qwen3-eagle3-a0.7"
+    if not (out / "draft" / synth.META).exists():
+        synth_eagle3.make_eagle3_pair(out, "toy", 0.7, device="cuda")
+    return out / "target", out / "draft"

@@ -8,6 +8,9 @@ move the argmax, so greedy speculative decoding in bf16 must be token-identical 
 The EAGLE draft predicts `successor[t]` from the current token alone, correct on a tunable
 fraction (`agreement`) of the vocabulary, so acceptance lengths are predictable.
 
+A target can also be written as a dense Qwen3 (`family="qwen3"`, the same weights plus unit q/k
+norms), which DP attention needs; `specpatch.synth_eagle3` pairs it with an EAGLE3 draft.
+
     python -m specpatch.synth --out DIR --preset toy --agreement 0.7 [--device cuda]
 """
 
@@ -92,7 +95,7 @@ class Checkpoint:
 # ---------------------------------------------------------------- files
 
 
-def _llama_config(spec: TargetSpec, *, architecture: str, num_layers: int) -> dict:
+def llama_config(spec: TargetSpec, *, architecture: str, num_layers: int) -> dict:
     return {
         "architectures": [architecture],
         "model_type": "llama",
@@ -121,7 +124,23 @@ def _llama_config(spec: TargetSpec, *, architecture: str, num_layers: int) -> di
     }
 
 
-def _save(out_dir: Path, config: dict, weights: dict[str, torch.Tensor], meta: dict) -> None:
+def _qwen3_config(spec: TargetSpec, *, num_layers: int) -> dict:
+    """A dense Qwen3: Llama's shape plus per-head q/k RMSNorms. sglang's Qwen3 runs with DP
+    attention (its attention is split by the attention-TP size); its Llama does not."""
+    return {
+        **llama_config(spec, architecture="Qwen3ForCausalLM", num_layers=num_layers),
+        "model_type": "qwen3",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": num_layers,
+        "layer_types": ["full_attention"] * num_layers,
+    }
+
+
+TARGET_FAMILIES = ("llama", "qwen3")
+
+
+def save_model(out_dir: Path, config: dict, weights: dict[str, torch.Tensor], meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     cpu = {name: t.to(torch.bfloat16).contiguous().cpu() for name, t in weights.items()}
@@ -145,7 +164,7 @@ def load_checkpoint(model_dir: str | Path, *, dtype=torch.float32, device="cpu",
     return Checkpoint(config, weights)
 
 
-def _as_checkpoint(model: str | Path | Checkpoint, dtype, device) -> Checkpoint:
+def as_checkpoint(model: str | Path | Checkpoint, dtype, device) -> Checkpoint:
     if isinstance(model, Checkpoint):
         return Checkpoint(model.config, {n: t.to(device, dtype) for n, t in model.weights.items()})
     return load_checkpoint(model, dtype=dtype, device=device)
@@ -154,7 +173,7 @@ def _as_checkpoint(model: str | Path | Checkpoint, dtype, device) -> Checkpoint:
 # ---------------------------------------------------------------- generation
 
 
-def _small_layer(spec: TargetSpec, prefix: str, gain: float, gen: torch.Generator, device) -> dict:
+def small_layer_weights(spec: TargetSpec, prefix: str, gain: float, gen: torch.Generator, device) -> dict:
     h, kv, inter = spec.hidden, spec.num_kv_heads * spec.head_dim, spec.intermediate
 
     def weight(out_features: int, in_features: int) -> torch.Tensor:  # [out, in]
@@ -212,7 +231,9 @@ def table_continuations(model_dir: str | Path, prompts: list[list[int]], n: int)
     return out
 
 
-def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu") -> TargetInfo:
+def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu", family: str = "llama") -> TargetInfo:
+    if family not in TARGET_FAMILIES:
+        raise ValueError(f"family must be one of {TARGET_FAMILIES}, got {family!r}")
     out_dir = Path(out_dir)
     gen = torch.Generator(device=device).manual_seed(spec.seed)
     h = spec.hidden
@@ -229,7 +250,11 @@ def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu") -> Targe
 
     weights = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
     for i in range(spec.num_layers):
-        weights |= _small_layer(spec, f"model.layers.{i}", spec.layer_gain, gen, device)
+        weights |= small_layer_weights(spec, f"model.layers.{i}", spec.layer_gain, gen, device)
+        if family == "qwen3":
+            for norm in ("q_norm", "k_norm"):
+                weights[f"model.layers.{i}.self_attn.{norm}.weight"] = torch.ones(
+                    spec.head_dim, device=device, dtype=torch.bfloat16)
     weights["model.norm.weight"] = torch.ones(h, device=device, dtype=torch.bfloat16)
 
     assert torch.equal(successor_from_weights(embed, lm_head), successor)
@@ -237,17 +262,22 @@ def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu") -> Targe
     min_margin = (top2[:, 0] - top2[:, 1]).min().item()
     meta = {
         "kind": "target",
+        "family": family,
         "spec": asdict(spec),
         "num_params": spec.num_params,
         "lm_head_scale": scale,
         "min_embedding_margin": min_margin,
         "generated_on": str(torch.device(device).type),  # CPU and CUDA generators differ
     }
-    _save(out_dir, _llama_config(spec, architecture="LlamaForCausalLM", num_layers=spec.num_layers), weights, meta)
+    if family == "qwen3":
+        config = _qwen3_config(spec, num_layers=spec.num_layers)
+    else:
+        config = llama_config(spec, architecture="LlamaForCausalLM", num_layers=spec.num_layers)
+    save_model(out_dir, config, weights, meta)
     return TargetInfo(out_dir, spec, spec.num_params, scale, min_margin)
 
 
-def _draft_fc_embed_half(noise: torch.Tensor, sigma: float) -> torch.Tensor:
+def noisy_identity(noise: torch.Tensor, sigma: float) -> torch.Tensor:
     """A = I + sigma * G / sqrt(h) [h, h], rounded to bf16 as it will be stored."""
     h = noise.shape[0]
     eye = torch.eye(h, device=noise.device)
@@ -259,6 +289,31 @@ def draft_hits(embed, lm_head, successor, fc_a, *, k: int = 1, dtype=torch.float
     column j = rank j. This is the draft's prediction with its (tiny) decoder layer left out."""
     hidden = embed.to(dtype) @ fc_a.to(dtype).T  # [vocab, h]
     return _topk(hidden, lm_head.to(dtype), k)[1] == successor[:, None]
+
+
+def tune_draft_noise(embed, lm_head, successor, noise: torch.Tensor, agreement: float, tolerance: float) -> float:
+    """The sigma for which lm_head @ (A E[t]), A = I + sigma * noise / sqrt(h), ranks the target's
+    successor first for `agreement` of the tokens (within tolerance)."""
+
+    def measured(sigma: float) -> float:
+        fc_a = noisy_identity(noise, sigma).float()
+        return draft_hits(embed, lm_head, successor, fc_a)[:, 0].float().mean().item()
+
+    # Agreement falls from 1 (sigma 0) towards 1/vocab as the noise swamps E[t]; it is not
+    # strictly monotone for a fixed G, but close enough for bisection to land within tolerance.
+    sigma, got = 0.0, measured(0.0)
+    if abs(got - agreement) > tolerance:
+        lo, hi = 0.0, 1.0
+        while (got := measured(hi)) > agreement + tolerance and hi < 2.0**20:
+            lo, hi = hi, hi * 2
+        sigma = hi
+        for _ in range(60):
+            if abs(got - agreement) <= tolerance:
+                break
+            sigma = (lo + hi) / 2
+            got = measured(sigma)
+            lo, hi = (sigma, hi) if got > agreement else (lo, sigma)
+    return sigma
 
 
 def make_eagle_draft(
@@ -280,27 +335,8 @@ def make_eagle_draft(
     successor = successor_from_weights(embed, lm_head)  # [vocab]
     gen = torch.Generator(device=device).manual_seed(seed)
     noise = torch.randn(spec.hidden, spec.hidden, generator=gen, device=device)  # G [h, h]
-
-    def measured(sigma: float) -> float:
-        fc_a = _draft_fc_embed_half(noise, sigma).float()
-        return draft_hits(embed, lm_head, successor, fc_a)[:, 0].float().mean().item()
-
-    # Agreement falls from 1 (sigma 0) towards 1/vocab as the noise swamps E[t]; it is not
-    # strictly monotone for a fixed G, but close enough for bisection to land within tolerance.
-    sigma, got = 0.0, measured(0.0)
-    if abs(got - agreement) > tolerance:
-        lo, hi = 0.0, 1.0
-        while (got := measured(hi)) > agreement + tolerance and hi < 2.0**20:
-            lo, hi = hi, hi * 2
-        sigma = hi
-        for _ in range(60):
-            if abs(got - agreement) <= tolerance:
-                break
-            sigma = (lo + hi) / 2
-            got = measured(sigma)
-            lo, hi = (sigma, hi) if got > agreement else (lo, sigma)
-
-    fc_a = _draft_fc_embed_half(noise, sigma)  # [h, h] bf16
+    sigma = tune_draft_noise(embed, lm_head, successor, noise, agreement, tolerance)
+    fc_a = noisy_identity(noise, sigma)  # [h, h] bf16
     hits = draft_hits(embed, lm_head, successor, fc_a.float(), k=max(TOPK_LEVELS))
     hits_bf16 = draft_hits(embed, lm_head, successor, fc_a, dtype=torch.bfloat16)
     coverage = {k: hits[:, :k].any(-1).float().mean().item() for k in TOPK_LEVELS}
@@ -312,7 +348,7 @@ def make_eagle_draft(
     # everything, drops lm_head.* (the target's head replaces it), and has no params for
     # layers.0.input_layernorm (deleted for layer 0) or a final norm, so those are left out.
     # embed_tokens is overwritten by the target's at load, but keeps the draft usable alone.
-    layer = _small_layer(spec, "layers.0", layer_gain, gen, device)
+    layer = small_layer_weights(spec, "layers.0", layer_gain, gen, device)
     del layer["layers.0.input_layernorm.weight"]
     weights = {
         "embed_tokens.weight": embed.to(torch.bfloat16),
@@ -337,7 +373,7 @@ def make_eagle_draft(
         },
         "generated_on": str(torch.device(device).type),
     }
-    _save(out_dir, _llama_config(spec, architecture="LlamaForCausalLMEagle", num_layers=1), weights, meta)
+    save_model(out_dir, llama_config(spec, architecture="LlamaForCausalLMEagle", num_layers=1), weights, meta)
     return info
 
 
@@ -361,12 +397,12 @@ def expected_chain_accept_length(agreement: float, num_steps: int) -> float:
 # ---------------------------------------------------------------- plain-torch reference
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()  # as HF: normalize in fp32, round, then scale
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """x [b, heads, s, d], positions [s]; neox style (rotate halves), as HF Llama and sglang."""
     d = x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
@@ -381,14 +417,14 @@ def _decoder_layer(x: torch.Tensor, w: dict, prefix: str, cfg: dict, positions, 
     b, s, _ = x.shape
     nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
-    a = _rms_norm(x, w[f"{prefix}.input_layernorm.weight"], eps) if input_norm else x
+    a = rms_norm(x, w[f"{prefix}.input_layernorm.weight"], eps) if input_norm else x
     q = (a @ w[f"{prefix}.self_attn.q_proj.weight"].T).view(b, s, nh, d).transpose(1, 2)
     k = (a @ w[f"{prefix}.self_attn.k_proj.weight"].T).view(b, s, nkv, d).transpose(1, 2)
     v = (a @ w[f"{prefix}.self_attn.v_proj.weight"].T).view(b, s, nkv, d).transpose(1, 2)
-    q, k = _rope(q, positions, cfg["rope_theta"]), _rope(k, positions, cfg["rope_theta"])
+    q, k = rope(q, positions, cfg["rope_theta"]), rope(k, positions, cfg["rope_theta"])
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [b, nh, s, d]
     x = x + attn.transpose(1, 2).reshape(b, s, nh * d) @ w[f"{prefix}.self_attn.o_proj.weight"].T
-    m = _rms_norm(x, w[f"{prefix}.post_attention_layernorm.weight"], eps)
+    m = rms_norm(x, w[f"{prefix}.post_attention_layernorm.weight"], eps)
     gate, up = m @ w[f"{prefix}.mlp.gate_proj.weight"].T, m @ w[f"{prefix}.mlp.up_proj.weight"].T
     return x + (F.silu(gate) * up) @ w[f"{prefix}.mlp.down_proj.weight"].T
 
@@ -397,13 +433,13 @@ def reference_target_logits(model: str | Path | Checkpoint, input_ids: torch.Ten
     """Llama forward. input_ids [b, s] -> logits [b, s, vocab] ([s] -> [s, vocab])."""
     if input_ids.dim() == 1:
         return reference_target_logits(model, input_ids[None], dtype=dtype)[0]
-    ckpt = _as_checkpoint(model, dtype, input_ids.device)
+    ckpt = as_checkpoint(model, dtype, input_ids.device)
     cfg, w = ckpt.config, ckpt.weights
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     x = w["model.embed_tokens.weight"][input_ids]  # [b, s, h]
     for i in range(cfg["num_hidden_layers"]):
         x = _decoder_layer(x, w, f"model.layers.{i}", cfg, positions)
-    return _rms_norm(x, w["model.norm.weight"], cfg["rms_norm_eps"]) @ w["lm_head.weight"].T
+    return rms_norm(x, w["model.norm.weight"], cfg["rms_norm_eps"]) @ w["lm_head.weight"].T
 
 
 def reference_draft_logits(
@@ -417,7 +453,7 @@ def reference_draft_logits(
     """sglang's LlamaForCausalLMEagle with the target's embed/lm_head swapped in.
     input_ids [b, s], target_hidden [b, s, h] (zeros if None) -> logits [b, s, vocab]."""
     device = input_ids.device
-    d, t = _as_checkpoint(draft, dtype, device), _as_checkpoint(target, dtype, device)
+    d, t = as_checkpoint(draft, dtype, device), as_checkpoint(target, dtype, device)
     embed = t.weights["model.embed_tokens.weight"][input_ids]  # [b, s, h]
     if target_hidden is None:
         target_hidden = torch.zeros_like(embed)

@@ -152,7 +152,7 @@ def test_bench_preset_is_at_least_1b_params():
         from transformers import LlamaConfig, LlamaForCausalLM
 
         model = LlamaForCausalLM(LlamaConfig(**{
-            k: v for k, v in synth._llama_config(spec, architecture="LlamaForCausalLM",
+            k: v for k, v in synth.llama_config(spec, architecture="LlamaForCausalLM",
                                                  num_layers=spec.num_layers).items()
             if k not in ("architectures", "model_type", "dtype", "torch_dtype")}))
     assert sum(p.numel() for p in model.parameters()) == spec.num_params

@@ -10,7 +10,6 @@ real ForwardBatch.init_new and EagleDraftInput code runs on the CPU.
 from __future__ import annotations
 
 import contextlib
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.draft_step_binding import bind_draft_step
 from sglang.srt.speculative.multi_layer_eagle_worker_v2 import MultiLayerEagleDraftWorker
+from specpatch.single_rank import init_model_parallel_on_cpu
 
 NUM_STEPS, VOCAB = 3, 11
 
@@ -26,15 +26,7 @@ NUM_STEPS, VOCAB = 3, 11
 @pytest.fixture(scope="module", autouse=True)
 def single_process_groups():
     """ForwardBatch.init_new asks the MoE expert-parallel group its size: a 1-rank gloo world."""
-    from sglang.srt.distributed import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
-        ps.initialize_model_parallel(backend="gloo")
+    init_model_parallel_on_cpu()
     yield
 
 

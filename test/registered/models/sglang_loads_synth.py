@@ -1,0 +1,87 @@
+"""Run as a script: build sglang's own model classes on the CPU, load a synthetic checkpoint
+through their load_weights, and print (JSON) every parameter that does not hold the value the
+checkpoint meant for it. sglang picks CPU kernels at import time from SGLANG_USE_CPU_ENGINE,
+which is why this runs in its own process.
+
+    SGLANG_USE_CPU_ENGINE=1 python sglang_loads_synth.py TARGET_DIR DRAFT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tools"))
+
+from specpatch import cudastub  # noqa: E402
+
+cudastub.preload()
+
+import torch  # noqa: E402
+
+from specpatch import synth  # noqa: E402
+from specpatch.single_rank import init_model_parallel_on_cpu  # noqa: E402
+
+# sglang fuses these checkpoint tensors into one parameter, in this order.
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def expected_value(param_name: str, weights: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    for prefix in ("", "model."):
+        if param_name.startswith(prefix) and param_name[len(prefix):] in weights:
+            return weights[param_name[len(prefix):]]
+    if param_name in weights:
+        return weights[param_name]
+    for fused, parts in STACKED.items():
+        if f".{fused}." in param_name:
+            names = [param_name.replace(fused, part) for part in parts]
+            found = [expected_value(name, weights) for name in names]
+            return None if any(t is None for t in found) else torch.cat(found)
+    return None
+
+
+def mismatches(model: torch.nn.Module, model_dir: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    weights = synth.load_checkpoint(model_dir, dtype=torch.float32).weights
+    model.load_weights(list(weights.items()))
+    bad = []
+    for name, param in model.named_parameters():
+        if name in skip:
+            continue
+        want = expected_value(name, weights)
+        if want is None:
+            bad.append(f"{name}: no checkpoint tensor")
+        elif want.shape != param.shape or not torch.equal(want.to(param.dtype), param.detach()):
+            bad.append(f"{name}: not loaded as written")
+    return bad
+
+
+def main(target_dir: Path, draft_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    init_model_parallel_on_cpu()
+    server_args = ServerArgs(
+        model_path=str(target_dir), device="cpu", attention_backend="torch_native", skip_tokenizer_init=True)
+    set_global_server_args_for_scheduler(server_args)
+    initialize_dp_attention(server_args, ModelConfig.from_server_args(server_args))
+
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+
+    target = Qwen3ForCausalLM(AutoConfig.from_pretrained(target_dir)).to(torch.float32)
+    draft = LlamaForCausalLMEagle3(AutoConfig.from_pretrained(draft_dir)).to(torch.float32)
+    print(json.dumps({
+        "target": mismatches(target, target_dir),
+        # the draft's lm_head is the target's, set by the worker after loading
+        "draft": mismatches(draft, draft_dir, skip=("lm_head.weight",)),
+        "draft_loads_head_from_target": bool(draft.load_lm_head_from_target),
+    }))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
