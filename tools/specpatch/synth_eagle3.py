@@ -57,6 +57,7 @@ def make_eagle3_draft(
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     spec = synth.TargetSpec(**synth.load_meta(target_dir)["spec"])
     h, d, num_heads = spec.hidden, spec.head_dim, spec.num_heads
+    assert h == num_heads * d, "the heads must tile the embedding for q/k/v to read it whole"
     target = synth.load_checkpoint(target_dir, device=device, names=("model.embed_tokens.weight", "lm_head.weight"))
     embed = target.weights["model.embed_tokens.weight"]  # [vocab, h]
     lm_head = target.weights["lm_head.weight"]  # [vocab, h]
@@ -93,7 +94,6 @@ def make_eagle3_draft(
         "target_hidden_size": h,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(AUX_LAYER_IDS), "use_aux_hidden_state": True},
     }
-    assert h == num_heads * d
     meta = {
         "kind": "eagle3_draft",
         "target_dir": str(target_dir),
