@@ -316,6 +316,37 @@ def tune_draft_noise(embed, lm_head, successor, noise: torch.Tensor, agreement: 
     return sigma
 
 
+@dataclass
+class TunedDraftMap:
+    """A target's token tables and the noisy identity A that makes a draft agree with it as asked."""
+
+    spec: TargetSpec
+    # [vocab, h]
+    embed: torch.Tensor
+    # [vocab, h]
+    lm_head: torch.Tensor
+    # [vocab]: the target's greedy next token
+    successor: torch.Tensor
+    # seeded, past the draw of A's noise: a draft takes its other weights from it
+    generator: torch.Generator
+    sigma: float
+    # [h, h] bf16: A = I + sigma * G / sqrt(h)
+    matrix: torch.Tensor
+
+
+def tuned_draft_map(target_dir: Path, agreement: float, *, seed: int, device, tolerance: float) -> TunedDraftMap:
+    assert 0.0 <= agreement <= 1.0
+    spec = TargetSpec(**load_meta(target_dir)["spec"])
+    target = load_checkpoint(target_dir, device=device, names=_EMBED_AND_HEAD)
+    embed = target.weights["model.embed_tokens.weight"]
+    lm_head = target.weights["lm_head.weight"]
+    successor = successor_from_weights(embed, lm_head)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    noise = torch.randn(spec.hidden, spec.hidden, generator=gen, device=device)  # G [h, h]
+    sigma = tune_draft_noise(embed, lm_head, successor, noise, agreement, tolerance)
+    return TunedDraftMap(spec, embed, lm_head, successor, gen, sigma, noisy_identity(noise, sigma))
+
+
 def make_eagle_draft(
     out_dir: str | Path,
     target_dir: str | Path,
@@ -326,17 +357,10 @@ def make_eagle_draft(
     tolerance: float = 0.01,
     layer_gain: float = 0.02,
 ) -> DraftInfo:
-    assert 0.0 <= agreement <= 1.0
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    spec = TargetSpec(**load_meta(target_dir)["spec"])
-    target = load_checkpoint(target_dir, device=device, names=_EMBED_AND_HEAD)
-    embed = target.weights["model.embed_tokens.weight"]  # [vocab, h]
-    lm_head = target.weights["lm_head.weight"]  # [vocab, h]
-    successor = successor_from_weights(embed, lm_head)  # [vocab]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    noise = torch.randn(spec.hidden, spec.hidden, generator=gen, device=device)  # G [h, h]
-    sigma = tune_draft_noise(embed, lm_head, successor, noise, agreement, tolerance)
-    fc_a = noisy_identity(noise, sigma)  # [h, h] bf16
+    tuned = tuned_draft_map(target_dir, agreement, seed=seed, device=device, tolerance=tolerance)
+    spec, embed, lm_head, successor = tuned.spec, tuned.embed, tuned.lm_head, tuned.successor
+    gen, sigma, fc_a = tuned.generator, tuned.sigma, tuned.matrix
     hits = draft_hits(embed, lm_head, successor, fc_a.float(), k=max(TOPK_LEVELS))
     hits_bf16 = draft_hits(embed, lm_head, successor, fc_a, dtype=torch.bfloat16)
     coverage = {k: hits[:, :k].any(-1).float().mean().item() for k in TOPK_LEVELS}

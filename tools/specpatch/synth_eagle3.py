@@ -55,18 +55,11 @@ def make_eagle3_draft(
     attention_scale: float = 2.0,
 ) -> Eagle3DraftInfo:
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    spec = synth.TargetSpec(**synth.load_meta(target_dir)["spec"])
+    tuned = synth.tuned_draft_map(target_dir, agreement, seed=seed, device=device, tolerance=tolerance)
+    spec, embed, gen, sigma, o_proj = tuned.spec, tuned.embed, tuned.generator, tuned.sigma, tuned.matrix
     h, d, num_heads = spec.hidden, spec.head_dim, spec.num_heads
     assert h == num_heads * d, "the heads must tile the embedding for q/k/v to read it whole"
-    target = synth.load_checkpoint(target_dir, device=device, names=("model.embed_tokens.weight", "lm_head.weight"))
-    embed = target.weights["model.embed_tokens.weight"]  # [vocab, h]
-    lm_head = target.weights["lm_head.weight"]  # [vocab, h]
-    successor = synth.successor_from_weights(embed, lm_head)  # [vocab]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    noise = torch.randn(h, h, generator=gen, device=device)  # G [h, h]
-    sigma = synth.tune_draft_noise(embed, lm_head, successor, noise, agreement, tolerance)
-    o_proj = synth.noisy_identity(noise, sigma)  # A [h, h] bf16
-    hits = synth.draft_hits(embed, lm_head, successor, o_proj.float())[:, 0]
+    hits = synth.draft_hits(embed, tuned.lm_head, tuned.successor, o_proj.float())[:, 0]
 
     def from_embedding(scale: float) -> torch.Tensor:  # [h, 2 h]: reads the embedding half only
         eye = scale * torch.eye(h, device=device)
