@@ -113,12 +113,13 @@ def toy_pair(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen3_eagle3_pair(tmp_path_factory):
-    """Dense Qwen3 target (3 layers) + EAGLE3 draft whose first step agrees on ~70% of tokens:
-    the pair DP attention can run (specpatch.synth_eagle3)."""
+    """Dense Qwen3 target + EAGLE3 draft whose first step agrees on ~70% of tokens: the pair
+    DP attention can run (specpatch.synth_eagle3)."""
     from specpatch import synth, synth_eagle3
 
     cache = os.environ.get("SPECPATCH_MODEL_CACHE")
-    out = (Path(cache) if cache else tmp_path_factory.mktemp("models")) / "qwen3-eagle3-a0.7"
+    name = f"qwen3-eagle3-aux{len(synth_eagle3.AUX_LAYER_IDS)}-a0.7"
+    out = (Path(cache) if cache else tmp_path_factory.mktemp("models")) / name
     if not (out / "draft" / synth.META).exists():
         synth_eagle3.make_eagle3_pair(out, "toy", 0.7, device="cuda")
     return out / "target", out / "draft"

@@ -30,8 +30,11 @@ import torch.nn.functional as F
 from specpatch import synth
 
 # The target layers whose outputs feed the draft (sglang captures the input of layer id + 1).
-# Two of them, so fc's input (2 h) differs from h and sglang applies fc on the first step.
-AUX_LAYER_IDS = (0, 1)
+# Three, sglang's default: the draft-extend CUDA graph sizes its hidden-states buffer from the
+# target's config, where it finds no layer ids and assumes 3 (EagleDraftExtendInput.
+# hidden_size_for), so a draft with another count fails its graph capture. fc's input (3 h)
+# differs from h, so sglang applies fc on the first step.
+AUX_LAYER_IDS = (0, 1, 2)
 MIN_TARGET_LAYERS = max(AUX_LAYER_IDS) + 2
 
 

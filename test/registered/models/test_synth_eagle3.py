@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,7 +106,26 @@ def test_unknown_target_family_is_refused(tmp_path):
 def test_target_meta_names_its_family(pair):
     target, _ = pair
     assert synth.load_meta(target)["family"] == "qwen3"
-    assert json.loads((target / "config.json").read_text())["layer_types"] == ["full_attention"] * 3
+    config = json.loads((target / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention"] * config["num_hidden_layers"]
+
+
+def test_draft_extend_graph_buffer_is_as_wide_as_fc_input(pair):
+    """sglang sizes the draft-extend CUDA graph's hidden states from the target's config, not
+    the draft's: the aux count must be the one it assumes there, or the capture fails."""
+    from transformers import AutoConfig
+
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    target, draft = pair
+    target_cfg = AutoConfig.from_pretrained(target)
+    model_config = SimpleNamespace(hf_config=target_cfg, hidden_size=target_cfg.hidden_size,
+                                   spec_hidden_size=target_cfg.hidden_size)
+    worker = SimpleNamespace(speculative_algorithm=SpeculativeAlgorithm.EAGLE3, eagle_use_aux_hidden_state=True,
+                             target_worker=SimpleNamespace(model_runner=SimpleNamespace(model_config=model_config)))
+    fc_input_width = synth.load_checkpoint(draft).weights["fc.weight"].shape[1]
+    assert EagleDraftExtendInput.hidden_size_for(worker) == fc_input_width
 
 
 def test_sglang_loads_both_checkpoints_as_written(pair):

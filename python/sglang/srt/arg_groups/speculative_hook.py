@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 # Attention backends whose target-verify, draft-decode and draft-extend metadata (eager and
 # CUDA graph) are exercised by the spec-v2 tree tests on a GPU.
-SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton"})
+SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton", "fa3"})
 
 # Backends that have no tree (topk > 1) support at all with page_size > 1, in either version.
 PAGED_TREE_ATTENTION_BACKENDS = frozenset({"flashinfer", "fa3"})
