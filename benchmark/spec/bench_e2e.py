@@ -61,11 +61,11 @@ def ensure_pair(models: str | None, preset: str, agreement: float) -> tuple[Path
 
 
 def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: int, vocab: int,
-            repeats: int = 3) -> list[dict]:
+            repeats: int = 3, **engine_extra) -> list[dict]:
     spec, env = CONFIGS[name]
     rows = []
-    with scoped_env(env), eng.engine(**eng.engine_kwargs(target, draft, spec,
-                                                          max_running_requests=max(batch_sizes))) as e:
+    kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes), **engine_extra)
+    with scoped_env(env), eng.engine(**kwargs) as e:
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
             best = eng.best_of(e, eng.random_prompts(bs, vocab, seed=bs), max_new_tokens, repeats)
@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="start every config's engine this many times, alternating configs, and keep "
                              "each cell's best: engine-to-engine spread is larger than the gaps compared")
+    parser.add_argument("--attention-backend", default=eng.BUNDLE_FLAGS["attention_backend"],
+                        help="every engine's attention backend (fa3 needs sgl_kernel's flash_ops)")
     parser.add_argument("--replot", help="results.json of an earlier run: only draw --png")
     args = parser.parse_args()
     if args.replot:
@@ -104,12 +106,14 @@ def main() -> None:
     names = args.configs.split(",")
     # The first engine in a process pays one-time costs (kernel JIT and autotune caches) that
     # otherwise favour whichever config is measured later: start and discard one first.
-    measure(target, draft, names[0], [1], 16, vocab, repeats=1)
+    backend = {"attention_backend": args.attention_backend}
+    measure(target, draft, names[0], [1], 16, vocab, repeats=1, **backend)
     best: dict[tuple, dict] = {}  # (config, bs) -> the fastest row of its engines
     per_round: dict[tuple, list] = {}  # (config, bs) -> tok/s of each round's engine
     for _ in range(args.rounds):
         for name in names:
-            for r in measure(target, draft, name, batch_sizes, args.max_new_tokens, vocab, repeats=args.repeats):
+            for r in measure(target, draft, name, batch_sizes, args.max_new_tokens, vocab, repeats=args.repeats,
+                             **backend):
                 r["engines"] = args.rounds
                 per_round.setdefault((name, r["bs"]), []).append(r["tok_per_s"])
                 r["tok_per_s_per_round"] = per_round[name, r["bs"]]
@@ -121,7 +125,8 @@ def main() -> None:
 
     base = names[0]
     print(f"preset={args.preset} ({synth.load_meta(target)['num_params'] / 1e9:.2f}B) "
-          f"agreement={synth.load_meta(draft)['agreement']:.2f} max_new_tokens={args.max_new_tokens}")
+          f"agreement={synth.load_meta(draft)['agreement']:.2f} max_new_tokens={args.max_new_tokens} "
+          f"attention_backend={args.attention_backend}")
     print(f"{'config':>14} {'bs':>4} {'tok/s':>9} {'accept':>7} {'vs ' + base:>10}")
     for r in rows:
         ref = next(x for x in rows if x["config"] == base and x["bs"] == r["bs"])

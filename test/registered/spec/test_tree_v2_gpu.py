@@ -169,9 +169,14 @@ FA3_TREE_SHAPES = [
 @pytest.mark.skipif(_fa3_unavailable() is not None, reason=str(_fa3_unavailable()))
 @pytest.mark.parametrize("spec,cuda_graph", FA3_TREE_SHAPES,
                          ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in FA3_TREE_SHAPES])
-def test_tree_v2_on_fa3_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_graph, record_metric):
+def test_tree_v2_on_fa3_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_graph, monkeypatch,
+                                                       record_metric):
     """FA3 builds the tree verify without a custom-mask kernel: a prefix pass merged with one
     pass per draft token over the ancestors that the FULL_MASK rows name. Draft extend runs
-    num_draft_tokens rows per request from extend_seq_lens. This test is why the hook lets FA3
-    trees onto spec v2 (SPEC_V2_TREE_ATTENTION_BACKENDS)."""
+    num_draft_tokens rows per request from extend_seq_lens. The hook keeps FA3 trees on spec v1,
+    which is faster (SPEC_V1_FASTER_TREE_BACKENDS); here it lets them onto spec v2."""
+    from sglang.srt.arg_groups import speculative_hook
+
+    monkeypatch.setattr(speculative_hook, "SPEC_V2_TREE_ATTENTION_BACKENDS",
+                        speculative_hook.SPEC_V2_TREE_ATTENTION_BACKENDS | {"fa3"})
     check_identity_across_batch_sizes(toy_pair, prompts, spec, cuda_graph, record_metric, attention_backend="fa3")
