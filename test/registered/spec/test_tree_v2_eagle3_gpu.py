@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 
 MAX_NEW_TOKENS = 48
 TREE = eng.SpecConfig(4, 3, 8)
+CHAIN = eng.SpecConfig(1, 3, 4)
 
 
 def _gpu_count() -> int:
@@ -48,8 +49,12 @@ def test_eagle3_tree_v2_is_token_identical_to_no_spec(qwen3_eagle3_pair, record_
 
 
 @pytest.mark.skipif(_gpu_count() < 2, reason="--dp 2 --tp 2 needs two GPUs (the nvidia-h200-x2 kind)")
-@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graph", "eager"])
-def test_tree_v2_with_dp_attention_and_an_idle_rank(qwen3_eagle3_pair, cuda_graph, monkeypatch, record_metric):
+@pytest.mark.parametrize("spec,cuda_graph", [(TREE, True), (TREE, False), (CHAIN, False)],
+                         ids=["tree-graph", "tree-eager", "chain-eager"])
+def test_tree_v2_with_dp_attention_and_an_idle_rank(qwen3_eagle3_pair, spec, cuda_graph, monkeypatch,
+                                                    record_metric):
+    """Eager, the idle rank's padded batches reach the triton backend's metadata with an idle
+    spec input (patch 0013); chains (topk 1, already on spec v2 with DP attention) too."""
     from sglang.srt.arg_groups import speculative_hook
 
     decide = speculative_hook.choose_spec_version
@@ -58,7 +63,7 @@ def test_tree_v2_with_dp_attention_and_an_idle_rank(qwen3_eagle3_pair, cuda_grap
     target, draft = qwen3_eagle3_pair
     prompts = _prompts(target, 48)
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
-    kwargs = eng.engine_kwargs(target, draft, TREE, cuda_graph=cuda_graph, speculative_algorithm="EAGLE3",
+    kwargs = eng.engine_kwargs(target, draft, spec, cuda_graph=cuda_graph, speculative_algorithm="EAGLE3",
                                tp_size=2, dp_size=2, enable_dp_attention=True)
     with eng.engine(**kwargs) as e:
         assert e.server_args.disable_overlap_schedule is False, "tree drafting fell back to spec v1"
