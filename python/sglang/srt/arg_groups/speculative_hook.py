@@ -32,7 +32,7 @@ SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton"})
 # Backends whose spec-v2 trees are token-identical on a GPU but run faster on spec v1, and why.
 # FA3: eagle_worker_v2 captures draft-extend CUDA graphs for triton only, so a v2 tree's draft
 # extend (num_draft_tokens rows per request) runs eagerly; v1 graphs it. On an H100 (1.21B
-# target, tree 16,3,32) v2 / v1 tok/s was 1.12x at bs 1 and 0.88x at bs 16.
+# target, tree 16,3,32, one bench run) v2 / v1 tok/s was 1.12x at bs 1 and 0.88x at bs 16.
 SPEC_V1_FASTER_TREE_BACKENDS = {
     "fa3": "fa3's spec v2 draft extend has no CUDA graph, so its trees are faster on spec v1",
 }
