@@ -73,11 +73,47 @@ def engine_kwargs(
     return kwargs
 
 
+# sglang's DP-attention engine talks over TCP from `port + ZMQ_TCP_PORT_DELTA` upwards
+# (server_args.PortArgs.init_new), and its in-process tokenizer manager keeps those ports bound
+# after shutdown; engines started one after another in one pytest process each need their own.
+_DP_PORT_DELTA = 233
+_DP_PORT_SPAN = 8
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_dp_port(rng: random.Random | None = None, attempts: int = 200) -> int:
+    """A `port` whose DP-attention TCP block (port + 233 ... + 8) is free now."""
+    rng = rng or random.Random()
+    for _ in range(attempts):
+        port = rng.randrange(20000, 40000)
+        block = range(port + _DP_PORT_DELTA, port + _DP_PORT_DELTA + _DP_PORT_SPAN)
+        if _bindable(port) and all(_bindable(p) for p in block):
+            return port
+    raise RuntimeError(f"no free DP-attention port block found in {attempts} attempts")
+
+
 @contextlib.contextmanager
 def engine(**kwargs) -> Iterator[object]:
     import sglang as sgl
+    from sglang.srt.utils import kill_process_tree
 
-    eng = sgl.Engine(**kwargs)
+    if kwargs.get("enable_dp_attention"):
+        kwargs.setdefault("port", free_dp_port())
+    try:
+        eng = sgl.Engine(**kwargs)
+    except BaseException:
+        # A scheduler that died during start-up leaves its siblings (and their GPU memory)
+        # behind; the next test in this process must not inherit them.
+        kill_process_tree(os.getpid(), include_parent=False)
+        raise
     try:
         yield eng
     finally:

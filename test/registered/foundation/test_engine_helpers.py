@@ -1,6 +1,12 @@
-"""specpatch.engine's benchmark helper, on a fake engine: what it times and what it returns."""
+"""specpatch.engine's helpers on fakes: what best_of times and returns, the DP-attention port
+block, and clean-up after a failed engine start."""
 
 from __future__ import annotations
+
+import os
+import socket
+
+import pytest
 
 from specpatch import engine as eng
 
@@ -27,3 +33,85 @@ def test_best_of_warms_up_at_full_length_then_times_each_repeat(monkeypatch):
     assert fake.calls == [64, 64, 64, 64]  # one untimed full-length run, then the repeats
     assert best.seconds == 1.0  # the fastest repeat, not the warm-up
     assert best.completion_tokens == 128
+
+
+class _Draws:
+    """randrange() answers from a fixed list: the ports free_dp_port tries, in order."""
+
+    def __init__(self, ports):
+        self.ports = iter(ports)
+
+    def randrange(self, start, stop):
+        return next(self.ports)
+
+
+def test_free_dp_port_skips_a_port_whose_tcp_block_is_taken():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy_block_port = taken.getsockname()[1]  # inside the block of `busy`
+        busy = busy_block_port - eng._DP_PORT_DELTA - 3
+        other = _a_port_with_a_free_block(exclude=busy)
+
+        assert eng.free_dp_port(_Draws([busy, other])) == other
+
+
+def test_free_dp_port_gives_up_with_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+
+        with pytest.raises(RuntimeError, match="no free DP-attention port block"):
+            eng.free_dp_port(_Draws([busy] * 3), attempts=3)
+
+
+def _a_port_with_a_free_block(exclude: int) -> int:
+    for port in range(21000, 39000, 97):
+        block = range(port + eng._DP_PORT_DELTA, port + eng._DP_PORT_DELTA + eng._DP_PORT_SPAN)
+        if port != exclude and eng._bindable(port) and all(eng._bindable(p) for p in block):
+            return port
+    pytest.skip("this host has no free port block to test with")
+
+
+def test_a_failed_engine_start_kills_its_child_processes(monkeypatch):
+    import sglang
+    import sglang.srt.utils
+
+    killed = []
+
+    def failing_engine(**kwargs):
+        raise RuntimeError("Rank 0 scheduler died during initialization")
+
+    monkeypatch.setattr(sglang, "Engine", failing_engine)
+    monkeypatch.setattr(sglang.srt.utils, "kill_process_tree",
+                        lambda pid, include_parent=True: killed.append((pid, include_parent)))
+
+    with pytest.raises(RuntimeError, match="scheduler died"):
+        with eng.engine(model_path="unused"):
+            pass
+
+    assert killed == [(os.getpid(), False)]  # the children, not the test process
+
+
+def test_dp_attention_engines_get_a_port_of_their_own(monkeypatch):
+    import sglang
+
+    seen = {}
+
+    class _Recorder:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+        def shutdown(self):
+            seen["shut_down"] = True
+
+    monkeypatch.setattr(sglang, "Engine", _Recorder)
+    monkeypatch.setattr(eng, "free_dp_port", lambda: 31234)
+
+    with eng.engine(model_path="unused", enable_dp_attention=True):
+        pass
+    assert seen["port"] == 31234 and seen["shut_down"]
+
+    seen.clear()
+    with eng.engine(model_path="unused"):
+        pass
+    assert "port" not in seen  # without DP attention sglang uses IPC, and its default port

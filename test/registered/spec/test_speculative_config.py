@@ -123,8 +123,6 @@ BASE = dict(topk=4, page_size=1, overlap_disabled=False, spec_v2_env_enabled=Tru
     ({"attention_backends": {"fa3"}}, False,
      "an attention backend in ['triton'], got fa3 (fa3's spec v2 draft extend has no CUDA graph"),
     ({"attention_backends": {"fa3", "flashinfer"}}, False, "got fa3, flashinfer (fa3's spec v2"),
-    ({"dp_attention": True}, False, "got --enable-dp-attention"),
-    ({"topk": 1, "dp_attention": True}, True, None),
 ])
 def test_spec_version_decision_table(change, use_v2, reason):
     version = hook.choose_spec_version(**{**BASE, **change})
@@ -135,17 +133,38 @@ def test_spec_version_decision_table(change, use_v2, reason):
         assert reason in version.spec_v1_reason
 
 
-def test_dp_attention_tree_runs_spec_v1_with_one_warning(caplog):
-    server_args = SimpleNamespace(
-        speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8, page_size=1,
-        attention_backend="triton", decode_attention_backend=None, prefill_attention_backend=None,
-        disable_overlap_schedule=False, enable_multi_layer_eagle=False, enable_dp_attention=True,
-        speculative_algorithm="EAGLE")
+def _dp_attention_tree_args(**overrides):
+    return SimpleNamespace(**{
+        **dict(speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8, page_size=1,
+               attention_backend="triton", decode_attention_backend=None, prefill_attention_backend=None,
+               disable_overlap_schedule=False, enable_multi_layer_eagle=False, enable_dp_attention=True,
+               disable_cuda_graph=False, speculative_algorithm="EAGLE3"),
+        **overrides,
+    })
+
+
+def test_dp_attention_tree_runs_spec_v2(caplog):
+    # GPU: test_tree_v2_eagle3_gpu.py::test_tree_v2_with_dp_attention_and_an_idle_rank
+    server_args = _dp_attention_tree_args()
     with caplog.at_level(logging.WARNING):
         hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
-    assert server_args.disable_overlap_schedule is True
+    assert server_args.disable_overlap_schedule is False
     [message] = spec_warnings(caplog)
-    assert message.startswith("Spec v1") and "--enable-dp-attention" in message
+    assert message.startswith("Spec v2")
+
+
+@pytest.mark.parametrize("overlap_disabled", [False, True], ids=["spec-v2", "spec-v1"])
+def test_dp_attention_tree_without_cuda_graphs_is_refused(overlap_disabled):
+    server_args = _dp_attention_tree_args(disable_cuda_graph=True, disable_overlap_schedule=overlap_disabled)
+    with pytest.raises(ValueError, match=r"--speculative-eagle-topk 4 with --enable-dp-attention needs CUDA graphs"):
+        hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
+
+
+def test_dp_attention_chain_without_cuda_graphs_is_left_to_upstream():
+    server_args = _dp_attention_tree_args(speculative_eagle_topk=1, speculative_num_draft_tokens=None,
+                                          disable_cuda_graph=True)
+    hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
+    assert server_args.disable_overlap_schedule is False and server_args.speculative_num_draft_tokens == 4
 
 
 def test_recurrent_targets_are_recognised():
@@ -161,3 +180,10 @@ def test_recurrent_targets_are_recognised():
 @pytest.mark.parametrize("topk,steps,expected", [(2, 1, 3), (4, 3, 37), (16, 5, 1 + 16 + 4 * 256), (1, 5, 6)])
 def test_max_tree_draft_tokens(topk, steps, expected):
     assert hook.max_tree_draft_tokens(topk, steps) == expected
+
+
+def test_server_args_refuse_a_dp_attention_tree_without_cuda_graphs(pair):
+    # ServerArgs.__post_init__ reaches the hook; nothing has touched a GPU yet
+    with pytest.raises(ValueError, match=r"--enable-dp-attention needs CUDA graphs"):
+        server_args(pair, speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8,
+                    tp_size=2, dp_size=2, enable_dp_attention=True, disable_cuda_graph=True)

@@ -9,9 +9,10 @@ The decisions, in order (`handle_eagle_family`):
    can produce.
 2. Which scheduler runs it: spec v2 (the overlap scheduler) or spec v1. Tree drafting runs on
    spec v2 only where its accepted-path compaction is implemented and tested: page_size == 1,
-   no recurrent (mamba / linear-attention) state, a backend with spec-v2 tree metadata, not
-   the multi-layer (MTP) worker, which drafts chains only, and no DP attention (idle ranks'
-   tree steps are untested). Anything else runs spec v1 and says why in exactly one warning.
+   no recurrent (mamba / linear-attention) state, a backend with spec-v2 tree metadata, and not
+   the multi-layer (MTP) worker, which drafts chains only. Anything else runs spec v1 and says
+   why in exactly one warning.
+3. Trees with DP attention need CUDA graphs, in either version (DP_ATTENTION_EAGER_TREE_ERROR).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton"})
 SPEC_V1_FASTER_TREE_BACKENDS = {
     "fa3": "fa3's spec v2 draft extend has no CUDA graph, so its trees are faster on spec v1",
 }
+
+# Trees with DP attention and no CUDA graphs crash at this base, in either version. Seen on two
+# H200s (Qwen3 target, EAGLE3 draft, tree 4,3,8, --tp 2 --dp 2, one request then 48): spec v2's
+# eager draft decode failed triton's `q.shape[0] <= kv_indptr.shape[0] - 1` (more query rows than
+# the draft's attention metadata covers), and spec v1 hit an illegal memory access in verify.
+# With CUDA graphs, spec v2 was token-identical to no speculation, idle rank included.
+DP_ATTENTION_EAGER_TREE_ERROR = (
+    "--speculative-eagle-topk {topk} with --enable-dp-attention needs CUDA graphs: eager tree "
+    "steps with DP attention crash at this base (spec v1 and v2); drop --disable-cuda-graph"
+)
 
 # Backends that have no tree (topk > 1) support at all with page_size > 1, in either version.
 PAGED_TREE_ATTENTION_BACKENDS = frozenset({"flashinfer", "fa3"})
@@ -150,7 +161,6 @@ def choose_spec_version(
     multi_layer: bool,
     recurrent_reason: Optional[str],
     attention_backends: Iterable[str],
-    dp_attention: bool = False,
 ) -> SpecVersion:
     """Spec v2 unless the user or a tree-drafting limit says otherwise (first reason wins)."""
     if overlap_disabled:
@@ -167,11 +177,6 @@ def choose_spec_version(
         return SpecVersion(False, prefix + f"a target without recurrent state; {recurrent_reason}")
     if multi_layer:
         return SpecVersion(False, prefix + "the single-layer draft worker; multi-layer EAGLE drafts chains")
-    if dp_attention:
-        # An idle DP rank still runs the draft, verify and draft extend of the MLP sync. Spec v2
-        # trees have not run that way on a GPU: a dense Llama target cannot use DP attention at
-        # this base, so it needs a Qwen3 target with an EAGLE3 draft. Upstream's choice stays.
-        return SpecVersion(False, prefix + "attention without data parallelism, got --enable-dp-attention")
     unsupported = sorted(set(attention_backends) - SPEC_V2_TREE_ATTENTION_BACKENDS)
     if unsupported:
         why = [SPEC_V1_FASTER_TREE_BACKENDS[b] for b in unsupported if b in SPEC_V1_FASTER_TREE_BACKENDS]
@@ -219,6 +224,8 @@ def handle_eagle_family(server_args: ServerArgs, hf_config, spec_v2_env_enabled:
                 f"{', '.join(sorted(backends - PAGED_TREE_ATTENTION_BACKENDS))} attention backend; "
                 f"use one of {sorted(PAGED_TREE_ATTENTION_BACKENDS)} or --page-size 1"
             )
+        if server_args.enable_dp_attention and server_args.disable_cuda_graph:
+            raise ValueError(DP_ATTENTION_EAGER_TREE_ERROR.format(topk=topk))
 
     version = choose_spec_version(
         topk=topk,
@@ -228,7 +235,6 @@ def handle_eagle_family(server_args: ServerArgs, hf_config, spec_v2_env_enabled:
         multi_layer=server_args.enable_multi_layer_eagle,
         recurrent_reason=recurrent_layer_reason(hf_config) if topk > 1 else None,
         attention_backends=backends,
-        dp_attention=server_args.enable_dp_attention,
     )
     server_args.disable_overlap_schedule = not version.use_spec_v2
     if version.use_spec_v2:
