@@ -76,8 +76,7 @@ def engine_kwargs(
 # sglang's DP-attention engine talks over TCP from `port + ZMQ_TCP_PORT_DELTA` upwards
 # (server_args.PortArgs.init_new), and its in-process tokenizer manager keeps those ports bound
 # after shutdown; engines started one after another in one pytest process each need their own.
-_DP_PORT_DELTA = 233
-_DP_PORT_SPAN = 8
+_DP_PORT_SPAN = 8  # dist_init, port_base and what PortArgs derives from it
 
 
 def _bindable(port: int) -> bool:
@@ -89,13 +88,20 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def dp_port_is_free(port: int) -> bool:
+    """`port` and the DP-attention TCP block sglang derives from it are all bindable now."""
+    from sglang.srt.server_args import ZMQ_TCP_PORT_DELTA
+
+    first = port + ZMQ_TCP_PORT_DELTA
+    return _bindable(port) and all(_bindable(p) for p in range(first, first + _DP_PORT_SPAN))
+
+
 def free_dp_port(rng: random.Random | None = None, attempts: int = 200) -> int:
-    """A `port` whose DP-attention TCP block (port + 233 ... + 8) is free now."""
+    """A `port` for a DP-attention engine whose TCP block is free now (dp_port_is_free)."""
     rng = rng or random.Random()
     for _ in range(attempts):
         port = rng.randrange(20000, 40000)
-        block = range(port + _DP_PORT_DELTA, port + _DP_PORT_DELTA + _DP_PORT_SPAN)
-        if _bindable(port) and all(_bindable(p) for p in block):
+        if dp_port_is_free(port):
             return port
     raise RuntimeError(f"no free DP-attention port block found in {attempts} attempts")
 

@@ -133,7 +133,7 @@ def test_spec_version_decision_table(change, use_v2, reason):
         assert reason in version.spec_v1_reason
 
 
-def _dp_attention_tree_args(**overrides):
+def _dp_attention_args(**overrides):
     return SimpleNamespace(**{
         **dict(speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8, page_size=1,
                attention_backend="triton", decode_attention_backend=None, prefill_attention_backend=None,
@@ -145,7 +145,7 @@ def _dp_attention_tree_args(**overrides):
 
 def test_dp_attention_tree_runs_spec_v2(caplog):
     # GPU: test_tree_v2_eagle3_gpu.py::test_tree_v2_with_dp_attention_and_an_idle_rank
-    server_args = _dp_attention_tree_args()
+    server_args = _dp_attention_args()
     with caplog.at_level(logging.WARNING):
         hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
     assert server_args.disable_overlap_schedule is False
@@ -155,13 +155,13 @@ def test_dp_attention_tree_runs_spec_v2(caplog):
 
 @pytest.mark.parametrize("overlap_disabled", [False, True], ids=["spec-v2", "spec-v1"])
 def test_dp_attention_tree_without_cuda_graphs_is_refused(overlap_disabled):
-    server_args = _dp_attention_tree_args(disable_cuda_graph=True, disable_overlap_schedule=overlap_disabled)
+    server_args = _dp_attention_args(disable_cuda_graph=True, disable_overlap_schedule=overlap_disabled)
     with pytest.raises(ValueError, match=r"--speculative-eagle-topk 4 with --enable-dp-attention needs CUDA graphs"):
         hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
 
 
 def test_dp_attention_chain_without_cuda_graphs_is_left_to_upstream():
-    server_args = _dp_attention_tree_args(speculative_eagle_topk=1, speculative_num_draft_tokens=None,
+    server_args = _dp_attention_args(speculative_eagle_topk=1, speculative_num_draft_tokens=None,
                                           disable_cuda_graph=True)
     hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
     assert server_args.disable_overlap_schedule is False and server_args.speculative_num_draft_tokens == 4
