@@ -6,9 +6,12 @@ all measured in one run (one GPU, one process after another), printed side by si
 
 Config names: none (no speculation), chain (v2, topk 1, the fast path), chain-general (the same
 with SGLANG_SPEC_CHAIN_FAST_PATH=0), tree (v2 tree drafting, --tree K,S,D), tree-v1 (the same
-tree on spec v1: what the base falls back to, i.e. --disable-overlap-schedule).
-With both tree and tree-v1 (and chain) measured, it also prints tree v2 / v1 tok/s and
-tree / chain accept length per batch size. --replot results.json redraws the PNG only.
+tree on spec v1: what the base falls back to, i.e. --disable-overlap-schedule). A name may
+end in @BACKEND to run that config on another attention backend than --attention-backend
+(tree@flashinfer,tree-v1@flashinfer,tree@triton). With both tree and tree-v1 (and chain)
+measured, it also prints tree v2 / v1 tok/s and tree / chain accept length per batch size;
+--ratios A/B,C/D prints tok/s ratios of any measured pairs. --replot results.json redraws
+the PNG only.
 """
 
 from __future__ import annotations
@@ -60,11 +63,21 @@ def ensure_pair(models: str | None, preset: str, agreement: float) -> tuple[Path
     return root / "target", root / "draft"
 
 
+def split_config(name: str, default_backend: str) -> tuple[str, str]:
+    """"tree@flashinfer" -> ("tree", "flashinfer"); "tree" -> ("tree", default_backend)."""
+    config, _, backend = name.partition("@")
+    if config not in CONFIGS:
+        raise SystemExit(f"unknown config {config!r} (one of {', '.join(CONFIGS)})")
+    return config, backend or default_backend
+
+
 def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: int, vocab: int,
-            repeats: int = 3, **engine_extra) -> list[dict]:
-    spec, env = CONFIGS[name]
+            repeats: int = 3, attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"]) -> list[dict]:
+    config, backend = split_config(name, attention_backend)
+    spec, env = CONFIGS[config]
     rows = []
-    kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes), **engine_extra)
+    kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes),
+                               attention_backend=backend)
     with scoped_env(env), eng.engine(**kwargs) as e:
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
@@ -90,7 +103,9 @@ def main() -> None:
                         help="start every config's engine this many times, alternating configs, and keep "
                              "each cell's best: engine-to-engine spread is larger than the gaps compared")
     parser.add_argument("--attention-backend", default=eng.BUNDLE_FLAGS["attention_backend"],
-                        help="every engine's attention backend (fa3 needs sgl_kernel's flash_ops)")
+                        help="the attention backend of configs without @BACKEND (fa3 needs sgl_kernel's "
+                             "flash_ops, flashinfer its JIT headers: README 'GPU tier')")
+    parser.add_argument("--ratios", default="", help="A/B,C/D: print tok/s of config A over config B per bs")
     parser.add_argument("--replot", help="results.json of an earlier run: only draw --png")
     args = parser.parse_args()
     if args.replot:
@@ -141,6 +156,9 @@ def main() -> None:
             print("tree v2 / v1 tok/s, each round's engines: " + ", ".join(
                 f"bs {bs} [{' '.join(f'{x:.2f}' for x in ratios)}]" for bs, ratios in spread.items()))
     print_pair_ratios(rows, "tree", "chain", "accept_length", "tree / chain accept length")
+    for pair in filter(None, args.ratios.split(",")):
+        num, den = pair.split("/")
+        print_pair_ratios(rows, num, den, "tok_per_s", f"{num} / {den} tok/s")
     if args.png:
         plot(rows, names, args.png, f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}")
 

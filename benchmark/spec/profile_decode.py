@@ -11,7 +11,7 @@ Python function (e.g. --configs tree,tree-v1: what spec v2 does on the host that
 Each config also gets its GPU idle time split by the host call whose launch ended each gap
 (named by Python frames with --with-stack): the host work the GPU waited for.
 
-Config names are bench_e2e's. The summary, not the trace, is the output: traces are tens of MB.
+Config names are bench_e2e's (tree@flashinfer: the tree on FlashInfer). The summary, not the trace, is the output: traces are tens of MB.
 """
 
 from __future__ import annotations
@@ -234,11 +234,12 @@ def gpu_idle_by_launch_site(events: list, num_steps: int, depth: int = 2, top: i
 
 def profile_config(target, draft, name: str, bs: int, num_steps: int, vocab: int, out_dir: Path,
                    with_stack: bool = False, extra_env: dict[str, str] | None = None) -> dict:
-    spec, env = bench_e2e.CONFIGS[name]
+    config, backend = bench_e2e.split_config(name, eng.BUNDLE_FLAGS["attention_backend"])
+    spec, env = bench_e2e.CONFIGS[config]
     env = {**env, **(extra_env or {})}
     trace_dir = out_dir / name
     with bench_e2e.scoped_env(env), eng.engine(
-        **eng.engine_kwargs(target, draft, spec, max_running_requests=max(bs, 4))
+        **eng.engine_kwargs(target, draft, spec, max_running_requests=max(bs, 4), attention_backend=backend)
     ) as e:
         prompts = eng.random_prompts(bs, vocab, seed=bs)
         warm = eng.best_of(e, prompts, 256, 1)

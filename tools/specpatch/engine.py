@@ -19,6 +19,23 @@ from typing import Iterator, Optional
 BUNDLE_FLAGS = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")
 
 
+def flashinfer_unavailable() -> Optional[str]:
+    """Why FlashInfer's kernels cannot run here, or None: they JIT-compile against headers the
+    GPU bundle drops (specpatch.flashinfer_stage ships them, and modules compiled before)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    try:
+        import flashinfer
+    except ImportError as exc:
+        return str(exc)
+    data = Path(flashinfer.__file__).parent / "data"
+    if not (data / "cutlass").is_dir():
+        return "flashinfer has no JIT headers here (the GPU bundle drops them); specpatch.flashinfer_stage ships them"
+    return None
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """One speculative configuration; None means no speculation."""

@@ -1,5 +1,6 @@
-"""GPU smoke tests of the patched sglang on the synthetic pair: EAGLE topk=1 (spec v2) through
-the Engine and through `python -m sglang.launch_server` over HTTP."""
+"""GPU smoke tests of the patched sglang on the synthetic pair: EAGLE chains and trees through
+the Engine and through `python -m sglang.launch_server` over HTTP, the mission command
+(`--speculative-eagle-topk 16 --page-size 1` on default flags) included."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ pytestmark = pytest.mark.gpu
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 32, 128
 CHAIN = eng.SpecConfig(topk=1, num_steps=3, num_draft_tokens=4)
+FLASHINFER_SKIP = pytest.mark.skipif(eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable()))
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +54,16 @@ def test_eagle_topk1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_ru
     assert abs(run.accept_length - expected_accept) <= 0.15 * expected_accept
 
 
-@pytest.mark.parametrize("spec", [eng.SpecConfig(4, 3, 8, overlap=False), eng.SpecConfig(1, 3, 4, overlap=False)],
-                         ids=lambda spec: spec.label)
-def test_eagle_spec_v1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_run, spec, record_metric):
-    """Spec v1 (what topk > 1 falls back to at this base) through the v1 verify path."""
+@pytest.mark.parametrize("spec,backend", [
+    (eng.SpecConfig(4, 3, 8, overlap=False), "triton"),
+    (eng.SpecConfig(1, 3, 4, overlap=False), "triton"),
+    pytest.param(eng.SpecConfig(16, 3, 32, overlap=False), "flashinfer", marks=FLASHINFER_SKIP),
+], ids=lambda value: getattr(value, "label", value))
+def test_eagle_spec_v1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_run, spec, backend, record_metric):
+    """Spec v1 (where the hook sends trees it cannot run on v2) through the v1 verify path;
+    on flashinfer the tree verify's plan is the host-planned one spec v2 uses too."""
     target, draft = toy_pair
-    with eng.engine(**eng.engine_kwargs(target, draft, spec)) as e:
+    with eng.engine(**eng.engine_kwargs(target, draft, spec, attention_backend=backend)) as e:
         eng.generate(e, prompts[:4], 8)
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
     identical = sum(a == b for a, b in zip(run.output_ids, no_spec_run.output_ids))
@@ -90,3 +96,32 @@ def test_http_server_with_eagle(toy_pair, prompts, spec, record_metric):
         accept = [float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("sglang:spec_accept_length")]
         record_metric("http_spec_accept_length_gauge", accept)
+
+
+@FLASHINFER_SKIP
+def test_mission_command_runs_spec_v2_trees_on_default_flags(toy_pair, prompts, record_metric):
+    """`launch_server --speculative-algorithm EAGLE --speculative-eagle-topk 16 --page-size 1`
+    as users write it: no steps, no draft-token count, no attention backend. Besides the model
+    paths it passes what the synthetic pair and the GPU bundle need: no tokenizer files, a KV
+    pool sized for a tiny model, the bundle's sampling and grammar backends."""
+    target, draft = toy_pair
+    flags = dict(model_path=str(target), speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft),
+                 speculative_eagle_topk=16, page_size=1,
+                 skip_tokenizer_init=True, max_total_tokens=1 << 18, sampling_backend="pytorch", grammar_backend="none")
+    with eng.server(**flags) as base:
+        info = requests.get(f"{base}/server_info", timeout=10).json()
+        assert info["disable_overlap_schedule"] is False, "fell back to spec v1"
+        shape = (info["speculative_eagle_topk"], info["speculative_num_steps"], info["speculative_num_draft_tokens"])
+        assert shape == (16, 3, 32)
+        record_metric("attention_backend", info["attention_backend"])
+        batch = prompts[:8]
+        resp = requests.post(f"{base}/generate", json={
+            "input_ids": batch,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True},
+        }, timeout=120)
+        resp.raise_for_status()
+        outs = resp.json()
+    assert [o["output_ids"] for o in outs] == synth.table_continuations(target, batch, 64)
+    accept = [o["meta_info"]["completion_tokens"] / o["meta_info"]["spec_verify_ct"] for o in outs]
+    record_metric("accept_length", round(sum(accept) / len(accept), 3))
+    assert min(accept) > 1.0

@@ -32,6 +32,11 @@ TREE_SHAPES = [
 ]
 
 
+FLASHINFER_SKIP = pytest.mark.skipif(eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable()))
+# Trees run spec v2 on both; flashinfer is sglang's default backend for topk > 1.
+BACKENDS = ["triton", pytest.param("flashinfer", marks=FLASHINFER_SKIP)]
+
+
 @pytest.fixture(scope="module")
 def prompts(toy_pair):
     vocab = synth.load_meta(toy_pair[0])["spec"]["vocab"]
@@ -69,14 +74,16 @@ def test_tree_v2_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_gra
     check_identity_across_batch_sizes(toy_pair, prompts, spec, cuda_graph, record_metric)
 
 
-def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(toy_pair, capfd, record_metric):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(toy_pair, capfd, record_metric, backend):
     """256 concurrent requests on a KV pool that holds a fraction of them."""
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     many = eng.random_prompts(256, vocab, seed=7, min_len=16, max_len=96)
     expected = synth.table_continuations(target, many, 128)
     spec = eng.SpecConfig(4, 3, 8)
-    kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=256, max_total_tokens=12000)
+    kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=256, max_total_tokens=12000,
+                               attention_backend=backend)
     with eng.engine(**kwargs) as e:
         assert e.server_args.disable_overlap_schedule is False
         run = eng.generate(e, many, 128)
@@ -93,11 +100,12 @@ def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(toy_pair, cap
 # A cold GPU host spends most of this test's first run compiling triton kernels (~270 s); the
 # limit still turns a hang into a failure.
 @pytest.mark.timeout(420)
-def test_tree_v2_sampling_completes_with_valid_tokens(toy_pair, prompts, record_metric):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_v2_sampling_completes_with_valid_tokens(toy_pair, prompts, record_metric, backend):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
-    with eng.engine(**eng.engine_kwargs(target, draft, eng.SpecConfig(4, 3, 8))) as e:
+    with eng.engine(**eng.engine_kwargs(target, draft, eng.SpecConfig(4, 3, 8), attention_backend=backend)) as e:
         run = eng.generate(e, prompts, MAX_NEW_TOKENS, temperature=1.0)
     assert all(len(out) == MAX_NEW_TOKENS for out in run.output_ids)
     assert all(0 <= t < vocab for out in run.output_ids for t in out)
@@ -109,11 +117,12 @@ def test_tree_v2_sampling_completes_with_valid_tokens(toy_pair, prompts, record_
     assert run.accept_length > 1.0
 
 
-def test_tree_v2_logprobs_and_stop_inside_an_accepted_path(toy_pair, prompts):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_v2_logprobs_and_stop_inside_an_accepted_path(toy_pair, prompts, backend):
     """max_new_tokens that ends mid-path, and logprobs gathered along the tree path."""
     target, draft = toy_pair
     expected = synth.table_continuations(target, prompts[:8], 13)
-    with eng.engine(**eng.engine_kwargs(target, draft, eng.SpecConfig(4, 3, 8))) as e:
+    with eng.engine(**eng.engine_kwargs(target, draft, eng.SpecConfig(4, 3, 8), attention_backend=backend)) as e:
         outs = e.generate(input_ids=prompts[:8], return_logprob=True,
                           sampling_params=dict(temperature=0, max_new_tokens=13, ignore_eos=True))
     assert [list(o["output_ids"]) for o in outs] == expected
@@ -142,6 +151,15 @@ def test_tree_v2_tp2_is_token_identical(toy_pair, prompts, spec, record_metric):
     assert_identical(run, expected, f"tp2 {spec.label}")
     record_metric("accept_length", round(run.accept_length, 3))
     assert run.accept_length > 1.5
+
+
+@FLASHINFER_SKIP
+@pytest.mark.parametrize("spec,cuda_graph", TREE_SHAPES,
+                         ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in TREE_SHAPES])
+def test_tree_v2_on_flashinfer_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_graph, record_metric):
+    """FlashInfer is sglang's default attention backend for trees (topk > 1), Hopper included."""
+    check_identity_across_batch_sizes(toy_pair, prompts, spec, cuda_graph, record_metric,
+                                      attention_backend="flashinfer")
 
 
 def _fa3_unavailable() -> Optional[str]:
