@@ -1,5 +1,6 @@
-"""Config-time checks for EAGLE flags: ServerArgs refuses inconsistent chain shapes before any
-GPU work, on a CPU machine, with the synthetic pair's config."""
+"""Config-time checks for EAGLE flags: ServerArgs completes partially given draft shapes, refuses
+inconsistent ones and picks spec v1/v2 before any GPU work, on a CPU machine, with the synthetic
+pair's config."""
 
 from __future__ import annotations
 
@@ -82,7 +83,6 @@ def test_user_disabled_overlap_keeps_spec_v1(pair):
                 r"with --speculative-num-steps 3 can draft \(at most 37 nodes"),
     (2, 1, 4, r"at most 3 nodes"),
     (4, 3, 1, r"must be >= 2 for a tree, got 1"),
-    (4, 3, None, r"drafts a tree: set --speculative-num-draft-tokens"),
     (0, 3, 4, r"--speculative-eagle-topk must be >= 1, got 0"),
     (4, 0, 4, r"--speculative-num-steps must be >= 1, got 0"),
 ])
@@ -105,7 +105,7 @@ def test_largest_tree_is_accepted(pair):
 
 V2 = hook.SpecVersion(True, None)
 BASE = dict(topk=4, page_size=1, overlap_disabled=False, spec_v2_env_enabled=True, multi_layer=False,
-            recurrent_reason=None, attention_backends={"triton"})
+            recurrent_reason=None, attention_backends={"triton"}, mla_target=False)
 
 
 @pytest.mark.parametrize("change,use_v2,reason", [
@@ -117,12 +117,19 @@ BASE = dict(topk=4, page_size=1, overlap_disabled=False, spec_v2_env_enabled=Tru
     ({"recurrent_reason": "the target (Qwen3NextConfig) has mamba / linear-attention layers"}, False,
      "without recurrent state; the target (Qwen3NextConfig)"),
     ({"multi_layer": True}, False, "multi-layer EAGLE drafts chains"),
-    ({"attention_backends": {"triton", "flashinfer"}}, False, "got flashinfer"),
+    ({"attention_backends": {"flashinfer"}}, True, None),
+    ({"attention_backends": {"triton", "flashinfer"}}, True, None),
+    # an MLA target's "flashinfer" is flashinfer_mla, which has no spec-v2 trees
+    ({"attention_backends": {"flashinfer"}, "mla_target": True}, False,
+     "needs a non-MLA target for the flashinfer attention backend: on an MLA target it runs flashinfer_mla"),
+    ({"attention_backends": {"triton", "flashinfer"}, "mla_target": True}, False, "flashinfer_mla"),
+    ({"attention_backends": {"flashinfer"}, "mla_target": True, "topk": 1}, True, None),
     # Hopper's default backend: its v2 trees are token-identical on a GPU
     # (test_tree_v2_gpu.py::test_tree_v2_on_fa3_is_token_identical_to_no_spec) but slower than v1
     ({"attention_backends": {"fa3"}}, False,
-     "an attention backend in ['triton'], got fa3 (fa3's spec v2 draft extend has no CUDA graph"),
-    ({"attention_backends": {"fa3", "flashinfer"}}, False, "got fa3, flashinfer (fa3's spec v2"),
+     "an attention backend in ['flashinfer', 'triton'], got fa3 (fa3's spec v2 draft extend has no CUDA graph"),
+    ({"attention_backends": {"fa3", "flashinfer"}}, False, "got fa3 (fa3's spec v2"),
+    ({"attention_backends": {"fa3", "aiter"}}, False, "got aiter, fa3 (fa3's spec v2"),
 ])
 def test_spec_version_decision_table(change, use_v2, reason):
     version = hook.choose_spec_version(**{**BASE, **change})
@@ -133,14 +140,20 @@ def test_spec_version_decision_table(change, use_v2, reason):
         assert reason in version.spec_v1_reason
 
 
-def _dp_attention_args(**overrides):
+def _hook_args(mla_target=False, **overrides):
+    """What handle_eagle_family reads from ServerArgs, as a plain namespace."""
     return SimpleNamespace(**{
         **dict(speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8, page_size=1,
                attention_backend="triton", decode_attention_backend=None, prefill_attention_backend=None,
-               disable_overlap_schedule=False, enable_multi_layer_eagle=False, enable_dp_attention=True,
-               disable_cuda_graph=False, speculative_algorithm="EAGLE3"),
+               speculative_draft_attention_backend=None, disable_overlap_schedule=False,
+               enable_multi_layer_eagle=False, enable_dp_attention=False, disable_cuda_graph=False,
+               speculative_algorithm="EAGLE", use_mla_backend=lambda: mla_target),
         **overrides,
     })
+
+
+def _dp_attention_args(**overrides):
+    return _hook_args(**{"enable_dp_attention": True, "speculative_algorithm": "EAGLE3", **overrides})
 
 
 def test_dp_attention_tree_runs_spec_v2(caplog):
@@ -187,3 +200,314 @@ def test_server_args_refuse_a_dp_attention_tree_without_cuda_graphs(pair):
     with pytest.raises(ValueError, match=r"--enable-dp-attention needs CUDA graphs"):
         server_args(pair, speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8,
                     tp_size=2, dp_size=2, enable_dp_attention=True, disable_cuda_graph=True)
+
+
+# ----------------------------------------------------------------------------- backends in play
+
+
+@pytest.mark.parametrize(
+    "backends,use_v2,reason",
+    [
+        # the draft worker runs draft decode and draft extend on --speculative-draft-attention-backend
+        (dict(attention_backend="triton", speculative_draft_attention_backend="fa3"), False, "got fa3 (fa3's spec v2"),
+        (dict(attention_backend="fa3", speculative_draft_attention_backend="triton"), False, "got fa3 (fa3's spec v2"),
+        (dict(attention_backend="triton", speculative_draft_attention_backend="triton"), True, None),
+        (dict(attention_backend="flashinfer", speculative_draft_attention_backend="triton"), True, None),
+        (dict(attention_backend="flashinfer", mla_target=True), False, "it runs flashinfer_mla"),
+        (
+            dict(attention_backend="triton", speculative_draft_attention_backend="flashinfer", mla_target=True),
+            False,
+            "it runs flashinfer_mla",
+        ),
+        (dict(attention_backend="triton", mla_target=True), True, None),
+    ],
+    ids=[
+        "draft-fa3",
+        "target-fa3",
+        "draft-triton",
+        "flashinfer-draft-triton",
+        "flashinfer-mla",
+        "draft-flashinfer-mla",
+        "triton-mla",
+    ],
+)
+def test_hook_decides_on_every_backend_in_play(backends, use_v2, reason, caplog):
+    server_args = _hook_args(**backends)
+    with caplog.at_level(logging.WARNING):
+        hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
+    assert server_args.disable_overlap_schedule is (not use_v2)
+    [message] = spec_warnings(caplog)
+    if use_v2:
+        assert message == "Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=4)."
+    else:
+        assert message.startswith("Spec v1 is used for eagle speculative decoding because spec v2 tree drafting")
+        assert reason in message
+
+
+@pytest.mark.parametrize(
+    "backends,use_v2,reason",
+    [
+        (dict(attention_backend="triton", speculative_draft_attention_backend="fa3"), False, "got fa3 (fa3's spec v2"),
+        (dict(attention_backend="fa3", speculative_draft_attention_backend="triton"), False, "got fa3 (fa3's spec v2"),
+        (dict(attention_backend="triton", speculative_draft_attention_backend="triton"), True, None),
+        (dict(attention_backend="flashinfer"), True, None),
+    ],
+    ids=["draft-fa3", "target-fa3", "draft-triton", "flashinfer"],
+)
+def test_server_args_decide_on_the_draft_backend_too(pair, backends, use_v2, reason, caplog):
+    with caplog.at_level(logging.WARNING):
+        args = server_args(
+            pair,
+            speculative_eagle_topk=4,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=8,
+            page_size=1,
+            **backends,
+        )
+    assert args.disable_overlap_schedule is (not use_v2)
+    [message] = spec_warnings(caplog)
+    assert message.startswith("Spec v2" if use_v2 else "Spec v1")
+    if reason is not None:
+        assert reason in message
+
+
+def test_paged_tree_with_a_triton_draft_backend_is_refused(pair):
+    with pytest.raises(
+        ValueError, match=r"--page-size 16 produces incorrect results with the triton attention backend"
+    ):
+        server_args(
+            pair,
+            speculative_eagle_topk=4,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=8,
+            page_size=16,
+            attention_backend="flashinfer",
+            speculative_draft_attention_backend="triton",
+        )
+
+
+# ----------------------------------------------------------------------------- shape completion
+
+TOPK, STEPS, TOKENS = "--speculative-eagle-topk", "--speculative-num-steps", "--speculative-num-draft-tokens"
+
+# (topk, num_steps, num_draft_tokens) given (None: unset) -> the completed shape
+COMPLETIONS = [
+    # topk alone: a chain of 3 steps, or 3 steps and 2k tokens (the benchmarked trees)
+    ((1, None, None), (1, 3, 4)),
+    ((2, None, None), (2, 3, 4)),
+    ((4, None, None), (4, 3, 8)),
+    ((8, None, None), (8, 3, 16)),
+    ((16, None, None), (16, 3, 32)),
+    # steps alone: a chain
+    ((None, 5, None), (1, 5, 6)),
+    # topk and steps
+    ((1, 5, None), (1, 5, 6)),
+    ((4, 3, None), (4, 3, 8)),
+    ((4, 12, None), (4, 12, 13)),  # steps + 1 > 2k
+    ((2, 1, None), (2, 1, 3)),  # the whole tree (1 + topk) < 2k
+    # topk and tokens
+    ((1, None, 6), (1, 5, 6)),
+    ((4, None, 20), (4, 3, 20)),
+    ((4, None, 38), (4, 4, 38)),  # 3 steps hold 37
+    ((2, None, 20), (2, 6, 20)),  # 5 steps hold 19
+    # steps and tokens: only a chain
+    ((None, 3, 4), (1, 3, 4)),
+]
+
+
+def _completion_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "draft shape completed" in r.getMessage()]
+
+
+def _expected_line(given, shape) -> str:
+    return "EAGLE draft shape completed: " + " ".join(
+        f"{flag} {value}" + (" (derived)" if g is None else "")
+        for flag, g, value in zip((TOPK, STEPS, TOKENS), given, shape)
+    )
+
+
+@pytest.mark.parametrize("given,expected", COMPLETIONS, ids=[str(g) for g, _ in COMPLETIONS])
+def test_server_args_complete_a_partial_shape(pair, given, expected, caplog):
+    topk, steps, tokens = given
+    with caplog.at_level(logging.INFO):
+        args = server_args(
+            pair, speculative_eagle_topk=topk, speculative_num_steps=steps, speculative_num_draft_tokens=tokens
+        )
+    assert (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens) == expected
+    assert _completion_lines(caplog) == [_expected_line(given, expected)]
+
+
+@pytest.mark.parametrize(
+    "given,expected",
+    [((4, 3, 8), (4, 3, 8)), ((1, 2, 3), (1, 2, 3)), ((None, None, None), (4, 5, 8))],
+    ids=["all-three-tree", "all-three-chain", "none-auto-chosen"],
+)
+def test_server_args_log_no_completion_for_a_full_or_empty_shape(pair, given, expected, caplog):
+    # none set: upstream's auto_choose_speculative_params, which picks (5, 4, 8) for a Llama target
+    topk, steps, tokens = given
+    with caplog.at_level(logging.INFO):
+        args = server_args(
+            pair, speculative_eagle_topk=topk, speculative_num_steps=steps, speculative_num_draft_tokens=tokens
+        )
+    assert (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens) == expected
+    assert _completion_lines(caplog) == []
+
+
+REFUSED = [
+    (
+        (None, None, 8),
+        r"--speculative-num-draft-tokens 8 alone does not give the draft's shape: set "
+        r"--speculative-eagle-topk \(1 for a chain of 7 steps, or > 1 for a tree\)",
+    ),
+    ((None, 3, 8), r"a tree's width cannot be derived: set --speculative-eagle-topk"),
+    ((1, None, 1), r"--speculative-num-draft-tokens must be >= 2 for a chain"),
+    ((0, None, None), r"--speculative-eagle-topk must be >= 1, got 0"),
+    ((-1, 3, None), r"--speculative-eagle-topk must be >= 1, got -1"),
+    ((None, 0, None), r"--speculative-num-steps must be >= 1, got 0"),
+    ((4, 0, None), r"--speculative-num-steps must be >= 1, got 0"),
+    ((None, 0, 5), r"--speculative-num-steps must be >= 1, got 0"),
+    ((None, None, 0), r"--speculative-num-draft-tokens must be >= 1, got 0"),
+    ((4, None, 0), r"--speculative-num-draft-tokens must be >= 1, got 0"),
+    ((4, None, 1), r"--speculative-num-draft-tokens must be >= 2 for a tree, got 1"),
+    ((4, None, 1025), r"--speculative-num-draft-tokens must be <= 1024, got 1025"),
+    ((16, 5, 1025), r"--speculative-num-draft-tokens must be <= 1024, got 1025"),
+    ((1, 3, 5), r"--speculative-num-draft-tokens == --speculative-num-steps \+ 1 \(4\)"),
+]
+
+
+@pytest.mark.parametrize("given,match", REFUSED, ids=[str(g) for g, _ in REFUSED])
+def test_server_args_refuse_what_cannot_be_completed(pair, given, match, caplog):
+    topk, steps, tokens = given
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError, match=match):
+        server_args(pair, speculative_eagle_topk=topk, speculative_num_steps=steps, speculative_num_draft_tokens=tokens)
+    assert _completion_lines(caplog) == []
+
+
+def test_largest_draft_token_count_is_accepted(pair):
+    # 1 + 16 + 4 * 256 = 1041 nodes can be drafted; sgl_kernel's tree build takes 1024
+    args = server_args(pair, speculative_eagle_topk=16, speculative_num_steps=5, speculative_num_draft_tokens=1024)
+    assert args.speculative_num_draft_tokens == 1024 and args.disable_overlap_schedule is False
+
+
+@pytest.mark.parametrize("attention_backend", ["triton", "flashinfer"])
+def test_mission_command_topk_alone_runs_a_spec_v2_tree(pair, attention_backend, caplog):
+    # launch_server --speculative-eagle-topk 16 --page-size 1: upstream's bare AssertionError
+    with caplog.at_level(logging.WARNING):
+        args = server_args(pair, speculative_eagle_topk=16, page_size=1, attention_backend=attention_backend)
+    assert (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens) == (16, 3, 32)
+    assert args.disable_overlap_schedule is False
+    assert spec_warnings(caplog) == ["Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=16)."]
+    assert _completion_lines(caplog) == [
+        "EAGLE draft shape completed: --speculative-eagle-topk 16 --speculative-num-steps 3 (derived) "
+        "--speculative-num-draft-tokens 32 (derived)"
+    ]
+
+
+def test_shape_flags_help_says_unset_values_are_derived():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    assert "those unset are derived from those set" in helps[STEPS]
+    assert "Derived when unset" in helps[TOPK] and "Derived when unset" in helps[TOKENS]
+    assert "at most 1024" in helps[TOKENS]
+
+
+# ----------------------------------------------------------------------------- complete_shape (pure)
+
+
+def _no_auto():
+    raise AssertionError("auto-choice runs only when no shape flag is set")
+
+
+@pytest.mark.parametrize("given,expected", COMPLETIONS, ids=[str(g) for g, _ in COMPLETIONS])
+def test_complete_shape_table(given, expected):
+    shape = hook.complete_shape(*given, auto=_no_auto)
+    assert (shape.topk, shape.num_steps, shape.num_draft_tokens) == expected
+    assert shape.derived == tuple(flag for flag, g in zip((TOPK, STEPS, TOKENS), given) if g is None)
+    assert shape.auto_chosen is False
+
+
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        ((600, None, None), (600, 3, 1024)),  # 2k capped by sgl_kernel's tree build
+        ((600, 2, None), (600, 2, 1024)),
+        ((3, 2, None), (3, 2, 6)),
+        ((2, None, 1000), (2, 251, 1000)),  # 250 steps hold 999
+        ((16, None, 1024), (16, 5, 1024)),  # 4 steps hold 785
+        ((2, 1, 3), (2, 1, 3)),
+    ],
+)
+def test_complete_shape_caps_and_smallest_steps(given, expected):
+    shape = hook.complete_shape(*given, auto=_no_auto)
+    assert (shape.topk, shape.num_steps, shape.num_draft_tokens) == expected
+    topk, steps, tokens = expected
+    if given[1] is None and topk > 1 and steps > hook.DEFAULT_TREE_STEPS:
+        assert hook.max_tree_draft_tokens(topk, steps - 1) < tokens <= hook.max_tree_draft_tokens(topk, steps)
+
+
+def test_complete_shape_auto_chooses_only_when_nothing_is_set():
+    calls = []
+
+    def auto():
+        calls.append(1)
+        return 5, 4, 8  # (num_steps, topk, num_draft_tokens), upstream's order
+
+    shape = hook.complete_shape(None, None, None, auto=auto)
+    assert shape == hook.DraftShape(4, 5, 8, derived=(), auto_chosen=True) and calls == [1]
+    full = hook.complete_shape(4, 5, 8, auto=_no_auto)
+    assert full == hook.DraftShape(4, 5, 8, derived=(), auto_chosen=False)
+
+
+VALUES = [None, -1, 0, 1, 2, 3, 4, 16, 1024, 1025]
+
+
+@pytest.mark.parametrize("topk", VALUES)
+def test_complete_shape_returns_a_valid_shape_or_a_value_error_naming_a_flag(topk):
+    for steps in VALUES:
+        for tokens in VALUES:
+            given = (topk, steps, tokens)
+            if given == (None, None, None):
+                continue
+            try:
+                shape = hook.complete_shape(*given, auto=_no_auto)
+            except ValueError as error:
+                assert any(flag in str(error) for flag in (TOPK, STEPS, TOKENS)), (given, error)
+                continue
+            completed = (shape.topk, shape.num_steps, shape.num_draft_tokens)
+            assert all(g is None or g == c for g, c in zip(given, completed)), (given, completed)
+            hook.check_shape(*completed)
+            assert shape.topk == 1 or shape.num_draft_tokens <= hook.MAX_DRAFT_TOKENS
+
+
+def test_complete_eagle_shape_sets_the_fields_and_logs_once(caplog):
+    args = SimpleNamespace(
+        speculative_eagle_topk=None,
+        speculative_num_steps=4,
+        speculative_num_draft_tokens=None,
+        speculative_algorithm="EAGLE3",
+    )
+    with caplog.at_level(logging.INFO):
+        hook.complete_eagle_shape(args, auto_choose=lambda server_args: _no_auto())
+    assert (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens) == (1, 4, 5)
+    assert _completion_lines(caplog) == [
+        "EAGLE3 draft shape completed: --speculative-eagle-topk 1 (derived) --speculative-num-steps 4 "
+        "--speculative-num-draft-tokens 5 (derived)"
+    ]
+
+
+def test_complete_eagle_shape_passes_server_args_to_auto_choose():
+    args = SimpleNamespace(
+        speculative_eagle_topk=None,
+        speculative_num_steps=None,
+        speculative_num_draft_tokens=None,
+        speculative_algorithm="STANDALONE",
+    )
+    seen = []
+    hook.complete_eagle_shape(args, auto_choose=lambda server_args: seen.append(server_args) or (3, 1, 4))
+    assert seen == [args]
+    assert (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens) == (1, 3, 4)

@@ -3,13 +3,19 @@
 Everything here runs inside ServerArgs.__post_init__, before any GPU allocation, so a bad
 combination of flags fails with a ValueError that names the flags.
 
-The decisions, in order (`handle_eagle_family`):
-1. The draft shape: topk == 1 drafts a chain (num_draft_tokens is num_steps + 1, derived when
-   unset); topk > 1 drafts a tree whose node budget num_draft_tokens must fit in what the steps
-   can produce.
+The decisions, in order:
+0. Shape completion (`complete_eagle_shape`): with none of --speculative-eagle-topk /
+   --speculative-num-steps / --speculative-num-draft-tokens set, upstream's
+   auto_choose_speculative_params picks all three; with some set, the others are derived from
+   them (`complete_shape`, rules in its docstring) and one warning names the three values.
+1. The draft shape (`handle_eagle_family` from here on): topk == 1 drafts a chain
+   (num_draft_tokens is num_steps + 1); topk > 1 drafts a tree whose node budget
+   num_draft_tokens must fit in what the steps can produce, and in sgl_kernel's tree build.
 2. Which scheduler runs it: spec v2 (the overlap scheduler) or spec v1. Tree drafting runs on
    spec v2 only where its accepted-path compaction is implemented and tested: page_size == 1,
-   no recurrent (mamba / linear-attention) state, a backend with spec-v2 tree metadata, and not
+   no recurrent (mamba / linear-attention) state, a backend with spec-v2 tree metadata for every
+   attention backend in play (the target's, and the draft's when
+   --speculative-draft-attention-backend is set), flashinfer only on a non-MLA target, and not
    the multi-layer (MTP) worker, which drafts chains only. Anything else runs spec v1 and says
    why in exactly one warning.
 3. Trees with DP attention need CUDA graphs, in either version (DP_ATTENTION_EAGER_TREE_ERROR).
@@ -19,16 +25,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# Attention backends whose target-verify, draft-decode and draft-extend metadata (eager and
-# CUDA graph) are exercised by the spec-v2 tree tests on a GPU.
-SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton"})
+# Attention backends with spec-v2 tree metadata (target verify, draft decode, draft extend; eager
+# and CUDA graph). triton: the spec-v2 tree tests here, on a GPU. flashinfer: the FlashInfer
+# spec-v2 tree work, GPU-verified by it (non-MLA targets only, see MLA_TREE_V1_BACKENDS).
+SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer"})
+
+# Backends that name a different class on an MLA target, one without spec-v2 tree support.
+MLA_TREE_V1_BACKENDS = {"flashinfer": "flashinfer_mla"}
 
 # Backends whose spec-v2 trees are token-identical on a GPU but run faster on spec v1, and why.
 # FA3: eagle_worker_v2 captures draft-extend CUDA graphs for triton only, so a v2 tree's draft
@@ -73,13 +83,28 @@ _RECURRENT_CONFIG_CLASSES = frozenset(
 _RECURRENT_LAYER_TYPES = frozenset({"mamba", "mamba2", "linear_attention", "linear_attn", "gdn"})
 
 
+# sgl_kernel's build_tree_kernel_efficient launches one thread per draft token in one block.
+MAX_DRAFT_TOKENS = 1024
+
+# Steps a tree drafts when only its width (--speculative-eagle-topk) is given.
+DEFAULT_TREE_STEPS = 3
+
+TOPK_FLAG = "--speculative-eagle-topk"
+STEPS_FLAG = "--speculative-num-steps"
+DRAFT_TOKENS_FLAG = "--speculative-num-draft-tokens"
+
+
 # ----------------------------------------------------------------------------- draft shape
+
+
+def check_at_least_one(flag: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
 def check_chain_shape(num_steps: int, num_draft_tokens: int) -> None:
     """topk == 1 drafts a chain: num_steps draft tokens plus the bonus token."""
-    if num_steps < 1:
-        raise ValueError(f"--speculative-num-steps must be >= 1, got {num_steps}")
+    check_at_least_one(STEPS_FLAG, num_steps)
     if num_draft_tokens != num_steps + 1:
         raise ValueError(
             "--speculative-eagle-topk 1 drafts a chain, which needs "
@@ -107,16 +132,18 @@ def max_tree_draft_tokens(topk: int, num_steps: int) -> int:
 
 def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: Optional[int]) -> None:
     """topk > 1 drafts a tree of num_draft_tokens nodes (root included)."""
-    if num_steps < 1:
-        raise ValueError(f"--speculative-num-steps must be >= 1, got {num_steps}")
+    check_at_least_one(STEPS_FLAG, num_steps)
     if num_draft_tokens is None:
         raise ValueError(
             f"--speculative-eagle-topk {topk} drafts a tree: set --speculative-num-draft-tokens "
             f"(tree nodes including the root, 2..{max_tree_draft_tokens(topk, num_steps)})"
         )
     if num_draft_tokens < 2:
+        raise ValueError(f"--speculative-num-draft-tokens must be >= 2 for a tree, got {num_draft_tokens}")
+    if num_draft_tokens > MAX_DRAFT_TOKENS:
         raise ValueError(
-            f"--speculative-num-draft-tokens must be >= 2 for a tree, got {num_draft_tokens}"
+            f"--speculative-num-draft-tokens must be <= {MAX_DRAFT_TOKENS}, got {num_draft_tokens}: "
+            "sgl_kernel's tree build launches one thread per draft token in one block"
         )
     limit = max_tree_draft_tokens(topk, num_steps)
     if num_draft_tokens > limit:
@@ -124,6 +151,127 @@ def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: Optional[int])
             f"--speculative-num-draft-tokens {num_draft_tokens} is larger than the tree that "
             f"--speculative-eagle-topk {topk} with --speculative-num-steps {num_steps} can draft "
             f"(at most {limit} nodes: 1 + topk + (num_steps - 1) * topk^2)"
+        )
+
+
+def check_shape(topk: int, num_steps: int, num_draft_tokens: Optional[int]) -> None:
+    """A chain (topk == 1) or a tree (topk > 1) that the draft worker can run."""
+    check_at_least_one(TOPK_FLAG, topk)
+    if topk == 1:
+        check_chain_shape(num_steps, num_draft_tokens)
+    else:
+        check_tree_shape(topk, num_steps, num_draft_tokens)
+
+
+# ----------------------------------------------------------------------------- shape completion
+
+
+class DraftShape(NamedTuple):
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+    # Flags whose value was derived from the others (empty when all three were given, or when
+    # auto_chosen).
+    derived: tuple[str, ...]
+    # None of the three was set: upstream's auto_choose_speculative_params picked them.
+    auto_chosen: bool
+
+
+def _default_tree_draft_tokens(topk: int, num_steps: int) -> int:
+    return min(max(2 * topk, num_steps + 1), max_tree_draft_tokens(topk, num_steps), MAX_DRAFT_TOKENS)
+
+
+def _min_tree_steps(topk: int, num_draft_tokens: int) -> int:
+    """Smallest num_steps whose tree (max_tree_draft_tokens) holds num_draft_tokens nodes."""
+    if num_draft_tokens <= max_tree_draft_tokens(topk, 1):
+        return 1
+    return 1 + -(-(num_draft_tokens - 1 - topk) // (topk * topk))
+
+
+def _derive(topk: Optional[int], num_steps: Optional[int], num_draft_tokens: Optional[int]) -> tuple[int, int, int]:
+    if topk is None:
+        if num_steps is None:
+            chain = f"1 for a chain of {num_draft_tokens - 1} steps, or " if num_draft_tokens >= 2 else ""
+            raise ValueError(
+                f"{DRAFT_TOKENS_FLAG} {num_draft_tokens} alone does not give the draft's shape: "
+                f"set {TOPK_FLAG} ({chain}> 1 for a tree)"
+            )
+        if num_draft_tokens is None or num_draft_tokens == num_steps + 1:
+            return 1, num_steps, num_steps + 1
+        raise ValueError(
+            f"{STEPS_FLAG} {num_steps} with {DRAFT_TOKENS_FLAG} {num_draft_tokens} is not a chain "
+            f"({num_steps + 1} tokens) and a tree's width cannot be derived: set {TOPK_FLAG}"
+        )
+    if num_steps is None:
+        if num_draft_tokens is None:
+            num_steps = DEFAULT_TREE_STEPS
+        elif topk == 1:
+            if num_draft_tokens < 2:
+                raise ValueError(f"{DRAFT_TOKENS_FLAG} must be >= 2 for a chain (steps + 1), got {num_draft_tokens}")
+            num_steps = num_draft_tokens - 1
+        elif num_draft_tokens <= max_tree_draft_tokens(topk, DEFAULT_TREE_STEPS):
+            num_steps = DEFAULT_TREE_STEPS
+        else:
+            num_steps = _min_tree_steps(topk, num_draft_tokens)
+    if num_draft_tokens is None:
+        num_draft_tokens = num_steps + 1 if topk == 1 else _default_tree_draft_tokens(topk, num_steps)
+    return topk, num_steps, num_draft_tokens
+
+
+def complete_shape(
+    topk: Optional[int],
+    num_steps: Optional[int],
+    num_draft_tokens: Optional[int],
+    auto: Callable[[], tuple[int, int, int]],
+) -> DraftShape:
+    """The draft shape from the flags given (None: unset), checked.
+
+    None set: auto() (upstream's auto_choose_speculative_params: num_steps, topk,
+    num_draft_tokens). Otherwise, for what is unset:
+    - topk alone: 1 -> a chain of 3 steps (4 tokens); k > 1 -> 3 steps and
+      min(2k, max_tree_draft_tokens(k, 3), MAX_DRAFT_TOKENS) tokens.
+    - topk and steps: 1 -> steps + 1 tokens; k > 1 -> min(max(2k, steps + 1),
+      max_tree_draft_tokens(k, steps), MAX_DRAFT_TOKENS) tokens.
+    - topk and tokens: 1 -> tokens - 1 steps; k > 1 -> 3 steps if that tree holds the tokens,
+      else the fewest steps whose tree does.
+    - steps alone, or steps and steps + 1 tokens: a chain (topk 1).
+    - tokens alone, or steps and tokens other than steps + 1: a ValueError (the width is unknown).
+    Values < 1 and shapes the draft worker cannot run are ValueErrors naming the flag.
+    """
+    given = {TOPK_FLAG: topk, STEPS_FLAG: num_steps, DRAFT_TOKENS_FLAG: num_draft_tokens}
+    if all(value is None for value in given.values()):
+        num_steps, topk, num_draft_tokens = auto()
+        check_shape(topk, num_steps, num_draft_tokens)
+        return DraftShape(topk, num_steps, num_draft_tokens, derived=(), auto_chosen=True)
+    for flag, value in given.items():
+        if value is not None:
+            check_at_least_one(flag, value)
+    shape = _derive(topk, num_steps, num_draft_tokens)
+    check_shape(*shape)
+    derived = tuple(flag for flag, value in given.items() if value is None)
+    return DraftShape(*shape, derived=derived, auto_chosen=False)
+
+
+def complete_eagle_shape(server_args: ServerArgs, auto_choose: Callable[[ServerArgs], tuple[int, int, int]]) -> None:
+    """Fill unset --speculative-eagle-topk / -num-steps / -num-draft-tokens (see complete_shape).
+
+    auto_choose is upstream's auto_choose_speculative_params, called only when none is set.
+    """
+    shape = complete_shape(
+        server_args.speculative_eagle_topk,
+        server_args.speculative_num_steps,
+        server_args.speculative_num_draft_tokens,
+        auto=lambda: auto_choose(server_args),
+    )
+    server_args.speculative_eagle_topk = shape.topk
+    server_args.speculative_num_steps = shape.num_steps
+    server_args.speculative_num_draft_tokens = shape.num_draft_tokens
+    if shape.derived:
+        values = ((TOPK_FLAG, shape.topk), (STEPS_FLAG, shape.num_steps), (DRAFT_TOKENS_FLAG, shape.num_draft_tokens))
+        logger.warning(
+            "%s draft shape completed: %s",
+            server_args.speculative_algorithm,
+            " ".join(f"{flag} {value}" + (" (derived)" if flag in shape.derived else "") for flag, value in values),
         )
 
 
@@ -161,6 +309,7 @@ def choose_spec_version(
     multi_layer: bool,
     recurrent_reason: Optional[str],
     attention_backends: Iterable[str],
+    mla_target: bool,
 ) -> SpecVersion:
     """Spec v2 unless the user or a tree-drafting limit says otherwise (first reason wins)."""
     if overlap_disabled:
@@ -177,7 +326,8 @@ def choose_spec_version(
         return SpecVersion(False, prefix + f"a target without recurrent state; {recurrent_reason}")
     if multi_layer:
         return SpecVersion(False, prefix + "the single-layer draft worker; multi-layer EAGLE drafts chains")
-    unsupported = sorted(set(attention_backends) - SPEC_V2_TREE_ATTENTION_BACKENDS)
+    attention_backends = set(attention_backends)
+    unsupported = sorted(attention_backends - SPEC_V2_TREE_ATTENTION_BACKENDS)
     if unsupported:
         why = [SPEC_V1_FASTER_TREE_BACKENDS[b] for b in unsupported if b in SPEC_V1_FASTER_TREE_BACKENDS]
         return SpecVersion(
@@ -185,16 +335,27 @@ def choose_spec_version(
             prefix + f"an attention backend in {sorted(SPEC_V2_TREE_ATTENTION_BACKENDS)}, "
             f"got {', '.join(unsupported)}" + "".join(f" ({w})" for w in why),
         )
+    on_mla = sorted(attention_backends & MLA_TREE_V1_BACKENDS.keys()) if mla_target else []
+    if on_mla:
+        return SpecVersion(
+            False,
+            prefix
+            + f"a non-MLA target for the {', '.join(on_mla)} attention backend: on an MLA target it runs "
+            + ", ".join(MLA_TREE_V1_BACKENDS[b] for b in on_mla)
+            + ", which has no spec v2 tree support",
+        )
     return SpecVersion(True, None)
 
 
 def _attention_backends(server_args: ServerArgs) -> set[str]:
+    """The target's backends, and the draft worker's (draft decode and draft extend) when set."""
     backend = server_args.attention_backend
     return {
         b
         for b in (
             server_args.decode_attention_backend or backend,
             server_args.prefill_attention_backend or backend,
+            server_args.speculative_draft_attention_backend,
         )
         if b is not None
     }
@@ -203,12 +364,11 @@ def _attention_backends(server_args: ServerArgs) -> set[str]:
 def handle_eagle_family(server_args: ServerArgs, hf_config, spec_v2_env_enabled: bool) -> None:
     """Validate the draft shape and pick spec v1/v2 (sets disable_overlap_schedule).
 
-    Called after speculative_num_steps / topk / num_draft_tokens are resolved.
+    Called after speculative_num_steps / topk / num_draft_tokens are resolved (complete_eagle_shape).
     """
     topk = server_args.speculative_eagle_topk
     num_steps = server_args.speculative_num_steps
-    if topk < 1:
-        raise ValueError(f"--speculative-eagle-topk must be >= 1, got {topk}")
+    check_at_least_one(TOPK_FLAG, topk)
 
     backends = _attention_backends(server_args)
     if topk == 1:
@@ -235,6 +395,7 @@ def handle_eagle_family(server_args: ServerArgs, hf_config, spec_v2_env_enabled:
         multi_layer=server_args.enable_multi_layer_eagle,
         recurrent_reason=recurrent_layer_reason(hf_config) if topk > 1 else None,
         attention_backends=backends,
+        mla_target=topk > 1 and server_args.use_mla_backend(),
     )
     server_args.disable_overlap_schedule = not version.use_spec_v2
     if version.use_spec_v2:
