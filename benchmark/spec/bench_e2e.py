@@ -177,12 +177,11 @@ def print_pair_ratios(rows: list[dict], num: str, den: str, key: str, title: str
 
 
 def plot(rows: list[dict], names: list[str], png: str, title: str) -> None:
-    import matplotlib
+    # The Figure API, not pyplot: pyplot probes IPython, which the GPU bundle replaces by a shim.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for name in names:
         pts = [r for r in rows if r["config"] == name]
         ax.plot([p["bs"] for p in pts], [p["tok_per_s"] for p in pts], marker="o", label=name)

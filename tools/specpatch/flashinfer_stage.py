@@ -55,7 +55,7 @@ def pack(wheel: Path, out_dir: Path) -> dict:
         for info in sorted(zf.infolist(), key=lambda i: i.filename):
             if info.is_dir() or not info.filename.startswith(prefixes):
                 continue
-            member = tarfile.TarInfo(info.filename[len("flashinfer/data/"):])
+            member = tarfile.TarInfo(info.filename[len("flashinfer/data/") :])
             member.size = info.file_size
             member.mtime = 0
             member.mode = 0o644
@@ -76,14 +76,15 @@ def _flashinfer_package() -> tuple[Path, str]:
     return Path(flashinfer.__file__).parent, flashinfer.__version__
 
 
-def install(store: Path) -> list[str]:
+def install(store: Path, package: Path, version: str) -> list[str]:
     """Unpack the headers (checked against the manifest) and any carried modules into the
-    importable flashinfer; return the names of the modules installed."""
+    flashinfer package at `package` (of `version`); return the names of the modules installed."""
     manifest = json.loads((store / MANIFEST).read_text())
-    package, version = _flashinfer_package()
     if version != manifest["flashinfer_version"]:
-        raise SystemExit(f"flashinfer_stage: headers are for flashinfer {manifest['flashinfer_version']}, "
-                         f"this host imports {version}")
+        raise SystemExit(
+            f"flashinfer_stage: headers are for flashinfer {manifest['flashinfer_version']}, "
+            f"this host imports {version}"
+        )
     if _sha256(store / HEADERS) != manifest["headers_sha256"]:
         raise SystemExit(f"flashinfer_stage: {store / HEADERS} does not match its manifest")
     with tarfile.open(store / HEADERS) as tar:
@@ -96,14 +97,12 @@ def install(store: Path) -> list[str]:
     return installed
 
 
-def collect(out_dir: Path, jit_dir: Path | None = None) -> list[str]:
-    """Pack every module compiled on this host (and every carried one) as AOT modules into
-    out_dir/flashinfer-aot.tar.gz; return their names."""
-    from flashinfer.jit import env as jit_env
-
-    sources = [jit_dir or jit_env.FLASHINFER_JIT_DIR, jit_env.FLASHINFER_AOT_DIR]
+def collect(out_dir: Path, module_roots: list[Path]) -> list[str]:
+    """Pack every module under module_roots (FlashInfer's JIT cache, then its AOT folder: what
+    this host compiled and what was carried in), laid out `<name>/<name>.so`, as AOT modules
+    into out_dir/flashinfer-aot.tar.gz; return their names."""
     modules = {}
-    for root in sources:
+    for root in module_roots:
         for so in sorted(Path(root).glob("*/*.so")):
             if so.stem == so.parent.name:
                 modules.setdefault(so.stem, so)
@@ -113,8 +112,9 @@ def collect(out_dir: Path, jit_dir: Path | None = None) -> list[str]:
         for name, so in sorted(modules.items()):
             tar.add(so, arcname=f"{name}/{name}.so")
     if archive.stat().st_size > MAX_RETURNED_BYTES:
-        raise SystemExit(f"flashinfer_stage: {archive} is {archive.stat().st_size >> 20} MiB, "
-                         "more than one device call returns")
+        raise SystemExit(
+            f"flashinfer_stage: {archive} is {archive.stat().st_size >> 20} MiB, " "more than one device call returns"
+        )
     return sorted(modules)
 
 
@@ -126,9 +126,21 @@ def fetch_wheel(cache: Path) -> Path:
     pinned = version("flashinfer-python")
     found = sorted(cache.glob(f"flashinfer_python-{pinned}-*.whl"))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                        "--only-binary=:all:", "--dest", str(cache), f"flashinfer-python=={pinned}"],
-                       check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--dest",
+                str(cache),
+                f"flashinfer-python=={pinned}",
+            ],
+            check=True,
+        )
         found = sorted(cache.glob(f"flashinfer_python-{pinned}-*.whl"))
     if not found:
         raise SystemExit(f"flashinfer_stage: no flashinfer_python {pinned} wheel in {cache}")
@@ -136,13 +148,15 @@ def fetch_wheel(cache: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specpatch.flashinfer_stage",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specpatch.flashinfer_stage", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="here: the JIT headers the bundle drops, as one archive")
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--wheel", type=Path, help="an untrimmed flashinfer-python wheel "
-                   "(default: download the version installed here)")
+    p.add_argument(
+        "--wheel",
+        type=Path,
+        help="an untrimmed flashinfer-python wheel " "(default: download the version installed here)",
+    )
     i = sub.add_parser("install", help="on the GPU host: headers and carried modules into flashinfer")
     i.add_argument("store", type=Path)
     c = sub.add_parser("collect", help="on the GPU host: compiled modules into OUT/" + MODULES)
@@ -153,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         wheel = args.wheel or fetch_wheel(Path.home() / ".cache" / "flashinfer-stage")
         print(json.dumps(pack(wheel, args.out_dir)))
     elif args.cmd == "install":
-        print("flashinfer_stage: headers installed; modules:", install(args.store) or "none")
+        print("flashinfer_stage: headers installed; modules:", install(args.store, *_flashinfer_package()) or "none")
     else:
-        print("flashinfer_stage: collected", collect(args.out_dir))
+        from flashinfer.jit import env as jit_env
+
+        roots = [jit_env.FLASHINFER_JIT_DIR, jit_env.FLASHINFER_AOT_DIR]
+        print("flashinfer_stage: collected", collect(args.out_dir, roots))
     return 0
 
 

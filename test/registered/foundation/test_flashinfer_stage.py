@@ -1,0 +1,69 @@
+"""specpatch.flashinfer_stage: FlashInfer's JIT headers to the GPU host, compiled modules back."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from specpatch import flashinfer_stage as stage
+
+WHEEL_FILES = {
+    "flashinfer/__init__.py": "",
+    "flashinfer/data/csrc/kernel.cu": "// shipped in the bundle already",
+    "flashinfer/data/include/flashinfer/attn.cuh": "// shipped in the bundle already",
+    "flashinfer/data/cutlass/include/cutlass/cutlass.h": "#define CUTLASS 1",
+    "flashinfer/data/cccl/cub/cub.cuh": "#define CUB 1",
+    "flashinfer/data/spdlog/include/spdlog/spdlog.h": "#define SPDLOG 1",
+}
+
+
+@pytest.fixture
+def store(tmp_path) -> Path:
+    wheel = tmp_path / "flashinfer_python-0.6.11.post1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in WHEEL_FILES.items():
+            zf.writestr(name, text)
+    stage.pack(wheel, tmp_path / "store")
+    return tmp_path / "store"
+
+
+def test_pack_keeps_only_the_header_trees_the_bundle_drops(store):
+    with tarfile.open(store / stage.HEADERS) as tar:
+        names = sorted(m.name for m in tar.getmembers())
+    assert names == ["cccl/cub/cub.cuh", "cutlass/include/cutlass/cutlass.h", "spdlog/include/spdlog/spdlog.h"]
+    manifest = json.loads((store / stage.MANIFEST).read_text())
+    assert manifest["flashinfer_version"] == "0.6.11.post1"
+
+
+def test_install_unpacks_headers_into_the_package(store, tmp_path):
+    package = tmp_path / "site" / "flashinfer"
+    assert stage.install(store, package, "0.6.11.post1") == []
+    assert (package / "data/cutlass/include/cutlass/cutlass.h").read_text() == "#define CUTLASS 1"
+    assert (package / "data/cccl/cub/cub.cuh").is_file()
+
+
+def test_install_refuses_another_version_and_a_damaged_archive(store, tmp_path):
+    with pytest.raises(SystemExit, match="headers are for flashinfer 0.6.11.post1, this host imports 0.6.12"):
+        stage.install(store, tmp_path / "pkg", "0.6.12")
+    with (store / stage.HEADERS).open("ab") as f:
+        f.write(b"\0")
+    with pytest.raises(SystemExit, match="does not match its manifest"):
+        stage.install(store, tmp_path / "pkg", "0.6.11.post1")
+
+
+def test_collected_modules_come_back_as_aot_modules(store, tmp_path):
+    jit, aot = tmp_path / "cached_ops", tmp_path / "aot"
+    for root, name in ((jit, "batch_prefill_hd128"), (jit, "norm"), (aot, "batch_decode_hd64"), (aot, "norm")):
+        (root / name).mkdir(parents=True)
+        (root / name / f"{name}.so").write_bytes(root.name.encode())
+    (jit / "norm" / "norm.cuda.o").write_bytes(b"object files stay")
+    (jit / "norm" / "helper.so").write_bytes(b"not the module")
+    assert stage.collect(store, [jit, aot]) == ["batch_decode_hd64", "batch_prefill_hd128", "norm"]
+    package = tmp_path / "host" / "flashinfer"
+    assert stage.install(store, package, "0.6.11.post1") == ["batch_decode_hd64", "batch_prefill_hd128", "norm"]
+    assert (package / "data/aot/norm/norm.so").read_bytes() == b"cached_ops", "the JIT build wins over a carried one"
+    assert sorted(p.name for p in (package / "data/aot/norm").iterdir()) == ["norm.so"]

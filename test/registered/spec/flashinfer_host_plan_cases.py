@@ -1,0 +1,178 @@
+"""Cases for flashinfer_host_plans, run under triton's CPU interpreter (build_kv_indices
+launches a triton kernel) by test_flashinfer_host_plans.py.
+
+The plan handed to FlashInfer is compared with a plain-torch reading of what the generic path
+plans: per request, width query rows over its first kv_len req_to_token slots, and for a tree
+verify the request's FULL_MASK bits packed eight to a byte, least significant bit first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sglang.srt.layers.attention import flashinfer_host_plans as plans
+
+
+class RecordingWrapper:
+    """Stands in for BatchPrefillWithPagedKVCacheWrapper: keeps what plan_fixed_width hands it."""
+
+    def __init__(self, cuda_graph: bool, mask_buf_bytes: int = 0, max_bs: int = 0):
+        self.is_cuda_graph_enabled = cuda_graph
+        self._custom_mask_buf = torch.full((mask_buf_bytes,), 255, dtype=torch.uint8) if cuda_graph else None
+        self._mask_indptr_buf = torch.full((max_bs + 1,), -1, dtype=torch.int32) if cuda_graph else None
+        self.planned = None
+
+    def begin_forward(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, **kwargs):
+        self.planned = SimpleNamespace(
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices.clone(),
+            last_page_len=last_page_len,
+            args=args,
+            kwargs=kwargs,
+        )
+        if not self.is_cuda_graph_enabled:
+            self._custom_mask_buf = None  # FlashInfer's plan without a mask clears it
+
+
+def reference_segment_packbits(x, indptr, indptr_new, bitorder, y):
+    """FlashInfer's segment_packbits, on the CPU: each segment packed on its own."""
+    for b in range(len(indptr) - 1):
+        bits = x[indptr[b] : indptr[b + 1]].numpy().astype(np.uint8)
+        y[indptr_new[b] : indptr_new[b + 1]] = torch.from_numpy(np.packbits(bits, bitorder=bitorder))
+
+
+@pytest.fixture(autouse=True)
+def cpu_packbits(monkeypatch):
+    # (the package exports a function of the module's name: import the module by path)
+    packbits = importlib.import_module("flashinfer.quantization.packbits")
+    monkeypatch.setattr(
+        packbits, "get_quantization_module", lambda: SimpleNamespace(segment_packbits=reference_segment_packbits)
+    )
+
+
+HEADS = plans.HeadConfig(8, 2, 64, torch.bfloat16, torch.bfloat16)
+POOL_LEN = 96
+
+
+def make_batch(bs: int, width: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    rows = bs + 3  # pool rows the batch does not use, so that the row lookup matters
+    req_to_token = torch.randperm(rows * POOL_LEN, generator=gen).view(rows, POOL_LEN).to(torch.int32)
+    req_pool_indices = torch.randperm(rows, generator=gen)[:bs].to(torch.int64)
+    prefix = torch.randint(1, POOL_LEN - width, (bs,), generator=gen)
+    return req_to_token, req_pool_indices, prefix
+
+
+def reference_plan(req_to_token, req_pool_indices, kv_lens, width):
+    kv_indices = torch.cat([req_to_token[r, :n] for r, n in zip(req_pool_indices.tolist(), kv_lens.tolist())])
+    kv_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), kv_lens.cumsum(0)]).to(torch.int32)
+    qo_indptr = torch.arange(len(kv_lens) + 1, dtype=torch.int32) * width
+    return qo_indptr, kv_indptr, kv_indices
+
+
+def tree_mask(kv_lens, width, seed):
+    """FULL_MASK bits: request after request, width rows of its kv_len columns."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.rand(width * n, generator=gen) < 0.5 for n in kv_lens.tolist()])
+
+
+def reference_packed(mask, kv_lens, width):
+    packed, indptr, start = [], [0], 0
+    for n in kv_lens.tolist():
+        bits = mask[start : start + width * n].numpy().astype(np.uint8)
+        start += width * n
+        packed.append(np.packbits(bits, bitorder="little"))
+        indptr.append(indptr[-1] + len(packed[-1]))
+    return torch.from_numpy(np.concatenate(packed)), torch.tensor(indptr, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("bs,width", [(1, 4), (5, 8), (16, 32)])
+def test_causal_draft_extend_plan(bs, width):
+    req_to_token, req_pool_indices, prefix = make_batch(bs, width, seed=bs)
+    kv_lens = prefix + width
+    wrapper = RecordingWrapper(cuda_graph=False)
+    plans.plan_fixed_width(
+        wrapper,
+        HEADS,
+        width=width,
+        req_pool_indices=req_pool_indices,
+        kv_lens=kv_lens,
+        kv_lens_cpu=kv_lens.clone(),
+        req_to_token=req_to_token,
+        kv_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32),
+        kv_indices_buf=None,
+    )
+    qo, kv, idx = reference_plan(req_to_token, req_pool_indices, kv_lens, width)
+    got = wrapper.planned
+    assert torch.equal(got.qo_indptr, qo) and torch.equal(got.kv_indptr, kv)
+    assert torch.equal(got.kv_indices, idx)
+    assert got.qo_indptr.device.type == got.kv_indptr.device.type == "cpu", "indptrs must not need a read-back"
+    assert torch.equal(got.last_page_len, torch.ones(bs, dtype=torch.int32))
+    assert got.args[:4] == (8, 2, 64, 1)
+    assert wrapper._custom_mask_buf is None, "a draft extend is causal: no mask"
+
+
+@pytest.mark.parametrize("bs,width,cuda_graph", [(1, 8, False), (1, 8, True), (6, 16, False), (6, 16, True)])
+def test_tree_verify_plan_packs_the_mask(bs, width, cuda_graph):
+    req_to_token, req_pool_indices, prefix = make_batch(bs, width, seed=10 + bs)
+    kv_lens = prefix + width
+    mask = tree_mask(kv_lens, width, seed=bs)
+    wrapper = RecordingWrapper(cuda_graph, mask_buf_bytes=4096, max_bs=bs)
+    kv_indices_buf = torch.full((4096,), -1, dtype=torch.int32) if cuda_graph else None
+    plans.plan_fixed_width(
+        wrapper,
+        HEADS,
+        width=width,
+        req_pool_indices=req_pool_indices,
+        kv_lens=kv_lens,
+        kv_lens_cpu=kv_lens.clone(),
+        req_to_token=req_to_token,
+        kv_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32),
+        kv_indices_buf=kv_indices_buf,
+        custom_mask=mask,
+    )
+    qo, kv, idx = reference_plan(req_to_token, req_pool_indices, kv_lens, width)
+    assert torch.equal(wrapper.planned.kv_indices, idx)
+    packed, packed_indptr = reference_packed(mask, kv_lens, width)
+    if cuda_graph:
+        assert torch.equal(kv_indices_buf[: len(idx)], idx), "the graph's slot buffer holds the slots"
+        assert torch.equal(wrapper._custom_mask_buf[: len(packed)], packed)
+        assert torch.equal(wrapper._mask_indptr_buf, packed_indptr)
+    else:
+        assert torch.equal(wrapper._custom_mask_buf, packed)
+        assert torch.equal(wrapper._mask_indptr_buf, packed_indptr)
+
+
+def test_padding_requests_see_everything_and_get_width_kv_rows():
+    """A CUDA graph pads the batch with requests of placeholder length 1, past the real mask."""
+    width, real = 8, 2
+    req_to_token, req_pool_indices, prefix = make_batch(3, width, seed=3)
+    kv_lens = torch.cat([prefix[:real] + width, torch.ones(1, dtype=torch.int64)])
+    mask = tree_mask(kv_lens[:real], width, seed=4)
+    wrapper = RecordingWrapper(cuda_graph=True, mask_buf_bytes=4096, max_bs=3)
+    plans.plan_fixed_width(
+        wrapper,
+        HEADS,
+        width=width,
+        req_pool_indices=req_pool_indices,
+        kv_lens=kv_lens,
+        kv_lens_cpu=kv_lens.clone(),
+        req_to_token=req_to_token,
+        kv_indptr_buf=torch.zeros(4, dtype=torch.int32),
+        kv_indices_buf=torch.zeros(4096, dtype=torch.int32),
+        custom_mask=mask,
+    )
+    lifted = torch.cat([kv_lens[:real], torch.tensor([width])])
+    _, kv, idx = reference_plan(req_to_token, req_pool_indices, lifted, width)
+    assert torch.equal(wrapper.planned.kv_indptr, kv)
+    assert torch.equal(wrapper.planned.kv_indices, idx)
+    full = torch.cat([mask, torch.ones(width * width, dtype=torch.bool)])
+    packed, packed_indptr = reference_packed(full, lifted, width)
+    assert torch.equal(wrapper._custom_mask_buf[: len(packed)], packed)
+    assert torch.equal(wrapper._mask_indptr_buf, packed_indptr)
