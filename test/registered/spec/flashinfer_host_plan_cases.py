@@ -92,11 +92,8 @@ def reference_packed(mask, kv_lens, width):
     return torch.from_numpy(np.concatenate(packed)), torch.tensor(indptr, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("bs,width", [(1, 4), (5, 8), (16, 32)])
-def test_causal_draft_extend_plan(bs, width):
-    req_to_token, req_pool_indices, prefix = make_batch(bs, width, seed=bs)
-    kv_lens = prefix + width
-    wrapper = RecordingWrapper(cuda_graph=False)
+def plan(wrapper, width, req_to_token, req_pool_indices, kv_lens, kv_indices_buf=None, custom_mask=None):
+    """plan_fixed_width as the backend calls it: the same lengths on the device and the host."""
     plans.plan_fixed_width(
         wrapper,
         HEADS,
@@ -105,9 +102,18 @@ def test_causal_draft_extend_plan(bs, width):
         kv_lens=kv_lens,
         kv_lens_cpu=kv_lens.clone(),
         req_to_token=req_to_token,
-        kv_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32),
-        kv_indices_buf=None,
+        kv_indptr_buf=torch.zeros(len(kv_lens) + 1, dtype=torch.int32),
+        kv_indices_buf=kv_indices_buf,
+        custom_mask=custom_mask,
     )
+
+
+@pytest.mark.parametrize("bs,width", [(1, 4), (5, 8), (16, 32)])
+def test_causal_draft_extend_plan(bs, width):
+    req_to_token, req_pool_indices, prefix = make_batch(bs, width, seed=bs)
+    kv_lens = prefix + width
+    wrapper = RecordingWrapper(cuda_graph=False)
+    plan(wrapper, width, req_to_token, req_pool_indices, kv_lens)
     qo, kv, idx = reference_plan(req_to_token, req_pool_indices, kv_lens, width)
     got = wrapper.planned
     assert torch.equal(got.qo_indptr, qo) and torch.equal(got.kv_indptr, kv)
@@ -125,18 +131,7 @@ def test_tree_verify_plan_packs_the_mask(bs, width, cuda_graph):
     mask = tree_mask(kv_lens, width, seed=bs)
     wrapper = RecordingWrapper(cuda_graph, mask_buf_bytes=4096, max_bs=bs)
     kv_indices_buf = torch.full((4096,), -1, dtype=torch.int32) if cuda_graph else None
-    plans.plan_fixed_width(
-        wrapper,
-        HEADS,
-        width=width,
-        req_pool_indices=req_pool_indices,
-        kv_lens=kv_lens,
-        kv_lens_cpu=kv_lens.clone(),
-        req_to_token=req_to_token,
-        kv_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32),
-        kv_indices_buf=kv_indices_buf,
-        custom_mask=mask,
-    )
+    plan(wrapper, width, req_to_token, req_pool_indices, kv_lens, kv_indices_buf, mask)
     qo, kv, idx = reference_plan(req_to_token, req_pool_indices, kv_lens, width)
     assert torch.equal(wrapper.planned.kv_indices, idx)
     packed, packed_indptr = reference_packed(mask, kv_lens, width)
@@ -156,18 +151,7 @@ def test_padding_requests_see_everything_and_get_width_kv_rows():
     kv_lens = torch.cat([prefix[:real] + width, torch.ones(1, dtype=torch.int64)])
     mask = tree_mask(kv_lens[:real], width, seed=4)
     wrapper = RecordingWrapper(cuda_graph=True, mask_buf_bytes=4096, max_bs=3)
-    plans.plan_fixed_width(
-        wrapper,
-        HEADS,
-        width=width,
-        req_pool_indices=req_pool_indices,
-        kv_lens=kv_lens,
-        kv_lens_cpu=kv_lens.clone(),
-        req_to_token=req_to_token,
-        kv_indptr_buf=torch.zeros(4, dtype=torch.int32),
-        kv_indices_buf=torch.zeros(4096, dtype=torch.int32),
-        custom_mask=mask,
-    )
+    plan(wrapper, width, req_to_token, req_pool_indices, kv_lens, torch.zeros(4096, dtype=torch.int32), mask)
     lifted = torch.cat([kv_lens[:real], torch.tensor([width])])
     _, kv, idx = reference_plan(req_to_token, req_pool_indices, lifted, width)
     assert torch.equal(wrapper.planned.kv_indptr, kv)

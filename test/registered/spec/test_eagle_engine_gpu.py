@@ -74,6 +74,16 @@ def test_eagle_spec_v1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_
     assert 1.0 < run.accept_length <= spec.num_steps + 1
 
 
+def generate_over_http(base: str, input_ids: list[list[int]], max_new_tokens: int) -> list[dict]:
+    """Greedy /generate of a batch of token-id prompts."""
+    resp = requests.post(f"{base}/generate", json={
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }, timeout=120)
+    resp.raise_for_status()
+    return resp.json()
+
+
 @pytest.mark.parametrize("spec", [CHAIN, eng.SpecConfig(16, 3, 32)], ids=lambda spec: spec.label)
 def test_http_server_with_eagle(toy_pair, prompts, spec, record_metric):
     """`launch_server ... --speculative-eagle-topk {1, 16} --page-size 1`, both on spec v2."""
@@ -83,12 +93,7 @@ def test_http_server_with_eagle(toy_pair, prompts, spec, record_metric):
         assert info["disable_overlap_schedule"] is False, "fell back to spec v1"
         assert info["speculative_eagle_topk"] == spec.topk
         batch = prompts[:8]
-        resp = requests.post(f"{base}/generate", json={
-            "input_ids": batch,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True},
-        }, timeout=120)
-        resp.raise_for_status()
-        outs = resp.json()
+        outs = generate_over_http(base, batch, 64)
         assert [o["output_ids"] for o in outs] == synth.table_continuations(target, batch, 64)
         assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
         metrics = requests.get(f"{base}/metrics", timeout=10).text
@@ -115,12 +120,7 @@ def test_mission_command_runs_spec_v2_trees_on_default_flags(toy_pair, prompts, 
         assert shape == (16, 3, 32)
         record_metric("attention_backend", info["attention_backend"])
         batch = prompts[:8]
-        resp = requests.post(f"{base}/generate", json={
-            "input_ids": batch,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True},
-        }, timeout=120)
-        resp.raise_for_status()
-        outs = resp.json()
+        outs = generate_over_http(base, batch, 64)
     assert [o["output_ids"] for o in outs] == synth.table_continuations(target, batch, 64)
     accept = [o["meta_info"]["completion_tokens"] / o["meta_info"]["spec_verify_ct"] for o in outs]
     record_metric("accept_length", round(sum(accept) / len(accept), 3))
