@@ -102,6 +102,16 @@ def check_at_least_one(flag: str, value: int) -> None:
         raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
+def check_draft_token_cap(num_draft_tokens: int, why: str = "") -> None:
+    """Chains and trees alike reach sgl_kernel's tree build, which launches one thread per
+    draft token in one block."""
+    if num_draft_tokens > MAX_DRAFT_TOKENS:
+        raise ValueError(
+            f"--speculative-num-draft-tokens must be <= {MAX_DRAFT_TOKENS}, got {num_draft_tokens}{why}: "
+            "sgl_kernel's tree build launches one thread per draft token in one block"
+        )
+
+
 def check_chain_shape(num_steps: int, num_draft_tokens: int) -> None:
     """topk == 1 drafts a chain: num_steps draft tokens plus the bonus token."""
     check_at_least_one(STEPS_FLAG, num_steps)
@@ -111,6 +121,7 @@ def check_chain_shape(num_steps: int, num_draft_tokens: int) -> None:
             f"--speculative-num-draft-tokens == --speculative-num-steps + 1 ({num_steps + 1}); "
             f"got --speculative-num-draft-tokens {num_draft_tokens}"
         )
+    check_draft_token_cap(num_draft_tokens, f" (a chain of --speculative-num-steps {num_steps})")
 
 
 def resolve_chain_num_draft_tokens(num_steps: int, num_draft_tokens: Optional[int]) -> int:
@@ -140,11 +151,7 @@ def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: Optional[int])
         )
     if num_draft_tokens < 2:
         raise ValueError(f"--speculative-num-draft-tokens must be >= 2 for a tree, got {num_draft_tokens}")
-    if num_draft_tokens > MAX_DRAFT_TOKENS:
-        raise ValueError(
-            f"--speculative-num-draft-tokens must be <= {MAX_DRAFT_TOKENS}, got {num_draft_tokens}: "
-            "sgl_kernel's tree build launches one thread per draft token in one block"
-        )
+    check_draft_token_cap(num_draft_tokens)
     limit = max_tree_draft_tokens(topk, num_steps)
     if num_draft_tokens > limit:
         raise ValueError(
