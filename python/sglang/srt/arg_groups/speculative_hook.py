@@ -33,17 +33,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Attention backends with spec-v2 tree metadata (target verify, draft decode, draft extend; eager
-# and CUDA graph). triton: the spec-v2 tree tests here, on a GPU. flashinfer: the FlashInfer
-# spec-v2 tree work, GPU-verified by it (non-MLA targets only, see MLA_TREE_V1_BACKENDS).
+# and CUDA graph), each exercised by the spec-v2 tree tests on a GPU. flashinfer: patch 0014
+# (host-planned verify and draft extend; non-MLA targets only, see MLA_TREE_V1_BACKENDS).
 SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer"})
 
 # Backends that name a different class on an MLA target, one without spec-v2 tree support.
 MLA_TREE_V1_BACKENDS = {"flashinfer": "flashinfer_mla"}
 
 # Backends whose spec-v2 trees are token-identical on a GPU but run faster on spec v1, and why.
-# FA3: eagle_worker_v2 captures draft-extend CUDA graphs for triton only, so a v2 tree's draft
-# extend (num_draft_tokens rows per request) runs eagerly; v1 graphs it. On an H100 (1.21B
-# target, tree 16,3,32, one bench run) v2 / v1 tok/s was 1.12x at bs 1 and 0.88x at bs 16.
+# FA3: eagle_worker_v2 captures draft-extend CUDA graphs for triton and flashinfer only, so an
+# fa3 v2 tree's draft extend (num_draft_tokens rows per request) runs eagerly; v1 graphs it,
+# and measured faster (docs/results/gpu-2026-11-23f).
 SPEC_V1_FASTER_TREE_BACKENDS = {
     "fa3": "fa3's spec v2 draft extend has no CUDA graph, so its trees are faster on spec v1",
 }
