@@ -160,3 +160,69 @@ def test_padding_requests_see_everything_and_get_width_kv_rows():
     packed, packed_indptr = reference_packed(full, lifted, width)
     assert torch.equal(wrapper._custom_mask_buf[: len(packed)], packed)
     assert torch.equal(wrapper._mask_indptr_buf, packed_indptr)
+
+
+def reference_draft_decode_reads(req_to_token, req_pool_indices, seq_lens, topk, num_steps, step):
+    """Per draft branch b * topk + t, the KV slots it reads at draft decode `step`: its request's
+    seq_len prefix, then the step + 1 draft slots of branch t (num_steps slots per branch after
+    the prefix, as spec v2's assign_draft_cache_locs lays them out at page size 1)."""
+    reads = []
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        row = req_to_token[req_pool_indices[b]]
+        for t in range(topk):
+            draft = row[seq_len + t * num_steps : seq_len + t * num_steps + step + 1]
+            reads.append(torch.cat([row[:seq_len], draft]))
+    return reads
+
+
+def run_upstream_draft_decode_kernel(req_to_token, req_pool_indices, seq_lens, positions, topk, num_steps):
+    from sglang.srt.speculative.spec_utils import generate_draft_decode_kv_indices
+    from sglang.srt.utils import next_power_of_2
+
+    num_seqs = seq_lens.shape[0]
+    kv_indices = torch.full((num_steps, num_seqs * topk * POOL_LEN), -1, dtype=torch.int32)
+    kv_indptr = torch.zeros((num_steps, num_seqs * topk + 1), dtype=torch.int32)
+    generate_draft_decode_kv_indices[(num_steps, num_seqs, topk)](
+        req_pool_indices, req_to_token, seq_lens, kv_indices, kv_indptr, positions, POOL_LEN,
+        kv_indices.shape[1], kv_indptr.shape[1], next_power_of_2(num_seqs), next_power_of_2(num_steps),
+        next_power_of_2(num_seqs * topk), 1,
+    )
+    return kv_indices, kv_indptr
+
+
+@pytest.mark.parametrize("seq_lens,topk,num_steps", [([7], 4, 3), ([5, 30, 12], 2, 5), ([9, 1, 1], 8, 3)])
+def test_draft_decode_indptrs_match_the_kernel_and_its_slot_list(seq_lens, topk, num_steps):
+    """The last case is a CUDA graph's padded batch: two placeholder requests of length 1, whose
+    positions the graph runner zeroes; the host pointers follow the slot list there as well."""
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
+    num_seqs = seq_lens.shape[0]
+    gen = torch.Generator().manual_seed(11)
+    req_to_token = torch.randperm(num_seqs * POOL_LEN, generator=gen).to(torch.int32).view(num_seqs, POOL_LEN)
+    req_pool_indices = torch.randperm(num_seqs, generator=gen)
+    branch_lens = plans.draft_decode_branch_lens(seq_lens, topk)
+    assert branch_lens.tolist() == [n for n in seq_lens.tolist() for _ in range(topk)]
+
+    host = plans.draft_decode_indptrs(seq_lens, topk, num_steps)
+    kv_indices, kv_indptr = run_upstream_draft_decode_kernel(
+        req_to_token, req_pool_indices, seq_lens, branch_lens, topk, num_steps
+    )
+    assert host.dtype == torch.int32 and host.shape == (num_steps, num_seqs * topk + 1)
+    assert torch.equal(host, kv_indptr)
+    for step in range(num_steps):
+        reads = reference_draft_decode_reads(req_to_token, req_pool_indices, seq_lens, topk, num_steps, step)
+        for z, expected in enumerate(reads):
+            got = kv_indices[step, host[step, z] : host[step, z + 1]]
+            assert torch.equal(got, expected.to(torch.int32)), (step, z)
+
+
+def test_draft_decode_indptrs_equal_upstreams_for_real_requests():
+    """Upstream passes the positions (a request's seq_len per branch, zero for CUDA-graph
+    padding): the pointers of real requests are the same, the padding's differ."""
+    seq_lens, topk, num_steps, real = torch.tensor([9, 14, 1]), 4, 3, 2
+    gen = torch.Generator().manual_seed(5)
+    req_to_token = torch.randperm(3 * POOL_LEN, generator=gen).to(torch.int32).view(3, POOL_LEN)
+    positions = torch.cat([plans.draft_decode_branch_lens(seq_lens[:real], topk), torch.zeros(topk, dtype=torch.int64)])
+    _, upstream = run_upstream_draft_decode_kernel(req_to_token, torch.arange(3), seq_lens, positions, topk, num_steps)
+    host = plans.draft_decode_indptrs(seq_lens, topk, num_steps)
+    assert torch.equal(host[:, : real * topk + 1], upstream[:, : real * topk + 1])
+    assert not torch.equal(host, upstream)

@@ -47,10 +47,14 @@ def test_eagle3_tree_v2_is_token_identical_to_no_spec(qwen3_eagle3_pair, record_
     assert run.accept_length > 1.3  # the first draft step alone agrees on ~70 %
 
 
+FLASHINFER_SKIP = pytest.mark.skipif(eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable()))
+
+
 @pytest.mark.skipif(_gpu_count() < 2, reason="--dp 2 --tp 2 needs two GPUs (the nvidia-h200-x2 kind)")
-def test_tree_v2_with_dp_attention_and_an_idle_rank(qwen3_eagle3_pair, record_metric):
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flashinfer", marks=FLASHINFER_SKIP)])
+def test_tree_v2_with_dp_attention_and_an_idle_rank(qwen3_eagle3_pair, backend, record_metric):
     """The hook puts DP-attention trees on spec v2; one request leaves the other rank idle, whose
-    padded IDLE batches reach the triton backend's metadata with an idle spec input (patch 0013)."""
+    padded IDLE batches reach the backend's metadata with an idle spec input (patches 0013, 0015)."""
     target, draft = qwen3_eagle3_pair
     prompts = _prompts(target, 48)
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
@@ -58,7 +62,8 @@ def test_tree_v2_with_dp_attention_and_an_idle_rank(qwen3_eagle3_pair, record_me
     # in the attention-TP group (size 1 here). Without it the borrowed head is the target's
     # half-vocabulary TP shard and the draft's logits are 1024 wide instead of 2048.
     kwargs = eng.engine_kwargs(target, draft, TREE, speculative_algorithm="EAGLE3",
-                               tp_size=2, dp_size=2, enable_dp_attention=True, enable_dp_lm_head=True)
+                               tp_size=2, dp_size=2, enable_dp_attention=True, enable_dp_lm_head=True,
+                               attention_backend=backend)
     with eng.engine(**kwargs) as e:
         assert e.server_args.disable_overlap_schedule is False, "tree drafting fell back to spec v1"
         alone = eng.generate(e, prompts[:1], MAX_NEW_TOKENS)  # one request: the other rank idles

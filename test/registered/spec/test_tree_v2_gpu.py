@@ -139,16 +139,37 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.mark.skipif(_gpu_count() < 2, reason="--tp 2 needs two GPUs (the nvidia-h200-x2 kind)")
-@pytest.mark.parametrize("spec", [eng.SpecConfig(4, 3, 8), eng.SpecConfig(16, 3, 32)], ids=lambda s: s.label)
-def test_tree_v2_tp2_is_token_identical(toy_pair, prompts, spec, record_metric):
+TWO_GPUS = pytest.mark.skipif(_gpu_count() < 2, reason="--tp 2 needs two GPUs (the nvidia-h200-x2 kind)")
+TP2_SHAPES = [eng.SpecConfig(4, 3, 8), eng.SpecConfig(16, 3, 32)]
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", TP2_SHAPES, ids=lambda s: s.label)
+def test_tree_v2_tp2_is_token_identical(toy_pair, prompts, spec, backend, record_metric):
     """Tensor parallel 2: both ranks run the tree, compaction and KV moves on their own shards."""
     target, draft = toy_pair
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
-    with eng.engine(**eng.engine_kwargs(target, draft, spec, tp_size=2)) as e:
+    with eng.engine(**eng.engine_kwargs(target, draft, spec, tp_size=2, attention_backend=backend)) as e:
         assert e.server_args.disable_overlap_schedule is False, "fell back to spec v1"
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
-    assert_identical(run, expected, f"tp2 {spec.label}")
+    assert_identical(run, expected, f"tp2 {backend} {spec.label}")
+    record_metric("accept_length", round(run.accept_length, 3))
+    assert run.accept_length > 1.5
+
+
+@TWO_GPUS
+@FLASHINFER_SKIP
+def test_paged_tree_tp2_is_token_identical(toy_pair, prompts, record_metric):
+    """--page-size 16 with a tree: the hook keeps it on spec v1 until paged trees run on v2."""
+    target, draft = toy_pair
+    expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
+    spec = eng.SpecConfig(4, 3, 8)
+    kwargs = eng.engine_kwargs(target, draft, spec, tp_size=2, page_size=16, attention_backend="flashinfer")
+    with eng.engine(**kwargs) as e:
+        record_metric("spec_v2", e.server_args.disable_overlap_schedule is False)
+        run = eng.generate(e, prompts, MAX_NEW_TOKENS)
+    assert_identical(run, expected, "tp2 page 16")
     record_metric("accept_length", round(run.accept_length, 3))
     assert run.accept_length > 1.5
 

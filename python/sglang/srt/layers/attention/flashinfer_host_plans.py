@@ -15,6 +15,10 @@ comes from the host's seq_lens_cpu (exact in both spec versions), so planning wa
 nothing and the host runs ahead of the GPU. Only the KV slot list and the packed tree mask
 are built on the device, by kernels that need no host read-back. The plans' shapes depend on
 the batch size alone, so CUDA graphs replay under them.
+
+The multi-step draft decode (draft_decode_indptrs, at the end) is planned from the same host
+lengths: each of a request's topk branches reads the request's prefix plus its own draft
+tokens so far, so its index pointers follow from seq_lens_cpu and the step alone.
 """
 
 from __future__ import annotations
@@ -186,3 +190,28 @@ def plan_fixed_width(
         wrapper._custom_mask_buf, wrapper._mask_indptr_buf = pack_tree_mask(
             custom_mask, indptrs, None
         )
+
+
+def draft_decode_branch_lens(seq_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """[bs * topk]: each draft branch's prefix length, request b's seq_len for its branches
+    b * topk ... b * topk + topk - 1. One copy kernel on the device, no host read-back; a
+    fresh contiguous tensor, since triton kernels read it by offset (an expanded view's
+    reshape would alias one element per request)."""
+    return seq_lens[:, None].repeat(1, topk).view(-1)
+
+
+def draft_decode_indptrs(seq_lens_cpu: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
+    """[num_steps, bs * topk + 1] int32 on the CPU: row i holds the KV index pointers of draft
+    decode step i, in which branch z (request z // topk) reads its request's seq_len prefix
+    slots and then its own i + 1 draft tokens.
+
+    These are the pointers sglang's generate_draft_decode_kv_indices writes on the device when
+    its `positions` argument holds the branch lengths (draft_decode_branch_lens), and they
+    match the KV slot list that kernel lays out, CUDA-graph padding requests included."""
+    branch_lens = draft_decode_branch_lens(seq_lens_cpu.to(torch.int64), topk)
+    num_branches = branch_lens.shape[0]
+    prefix_indptr = torch.zeros(num_branches + 1, dtype=torch.int64)
+    torch.cumsum(branch_lens, 0, out=prefix_indptr[1:])
+    branch = torch.arange(num_branches + 1, dtype=torch.int64)
+    draft_tokens_read = torch.arange(1, num_steps + 1, dtype=torch.int64)
+    return (prefix_indptr[None, :] + draft_tokens_read[:, None] * branch[None, :]).to(torch.int32)
