@@ -111,7 +111,8 @@ def main() -> None:
     if args.replot:
         rows = json.loads(Path(args.replot).read_text())
         names = list(dict.fromkeys(r["config"] for r in rows))
-        plot(rows, names, args.png, "synthetic target (replot)")
+        # the run's own title, given the same --preset, --agreement and --tree
+        plot(rows, names, args.png, f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}")
         return
     set_tree_shape(*(int(x) for x in args.tree.split(",")))
 
