@@ -9,7 +9,10 @@ The EAGLE draft predicts `successor[t]` from the current token alone, correct on
 fraction (`agreement`) of the vocabulary, so acceptance lengths are predictable.
 
 A target can also be written as a dense Qwen3 (`family="qwen3"`, the same weights plus unit q/k
-norms), which DP attention needs; `specpatch.synth_eagle3` pairs it with an EAGLE3 draft.
+norms), which DP attention needs; `specpatch.synth_eagle3` pairs it with an EAGLE3 draft. Or as
+a Qwen3-MoE (`family="qwen3_moe"`, MoeSpec): its experts are small like the dense MLP, and its
+router sends token t to the same experts in every layer, expert_table[t] in rank order, with a
+wide router-logit gap, so routed experts (--enable-return-routed-experts) are known in advance too.
 
     python -m specpatch.synth --out DIR --preset toy --agreement 0.7 [--device cuda]
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -64,6 +67,19 @@ PRESETS = {
     # TinyLlama-like shape with 24 layers and head_dim 128: ~1.21B params.
     "bench": TargetSpec(num_layers=24, hidden=2048, intermediate=5632, num_heads=16, num_kv_heads=4, vocab=32000),
 }
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The experts of a `qwen3_moe` target. Routing is a function of the current token alone:
+    the last num_experts embedding dims carry a code that puts expert_table[t][r] at router
+    logit (k - r) * router_gap (k = num_experts_per_tok) and every other expert at 0. The layers
+    move the residual by ~1% of its norm, far less than the gap, so every layer routes alike."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate: int = 128
+    router_gap: float = 4.0
 
 
 @dataclass
@@ -137,7 +153,24 @@ def _qwen3_config(spec: TargetSpec, *, num_layers: int) -> dict:
     }
 
 
-TARGET_FAMILIES = ("llama", "qwen3")
+def _qwen3_moe_config(spec: TargetSpec, moe: MoeSpec, *, num_layers: int) -> dict:
+    """A Qwen3-MoE whose every layer is sparse (decoder_sparse_step 1, no mlp_only_layers)."""
+    return {
+        **_qwen3_config(spec, num_layers=num_layers),
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.moe_intermediate,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.0,
+    }
+
+
+TARGET_FAMILIES = ("llama", "qwen3", "qwen3_moe")
 
 
 def save_model(out_dir: Path, config: dict, weights: dict[str, torch.Tensor], meta: dict) -> None:
@@ -218,6 +251,55 @@ def successor_table(model_dir: str | Path, device="cpu") -> torch.Tensor:
     return successor_from_weights(w["model.embed_tokens.weight"], w["lm_head.weight"])
 
 
+def router_code_dims(hidden: int, moe: MoeSpec) -> slice:
+    """The embedding dims that carry the routing code: expert e reads dim hidden - num_experts + e."""
+    return slice(hidden - moe.num_experts, hidden)
+
+
+def routing_codes(chosen_experts: torch.Tensor, moe: MoeSpec) -> torch.Tensor:
+    """chosen_experts [vocab, k] (rank order) -> codes [vocab, num_experts]: rank r's expert at
+    k - r, others 0 (small integers: exact in bf16)."""
+    vocab, k = chosen_experts.shape
+    levels = torch.arange(k, 0, -1, dtype=torch.float32, device=chosen_experts.device)  # [k]
+    codes = torch.zeros(vocab, moe.num_experts, device=chosen_experts.device)
+    return codes.scatter_(1, chosen_experts, levels.expand(vocab, k))
+
+
+def router_weight(hidden: int, moe: MoeSpec, device) -> torch.Tensor:
+    """[num_experts, hidden]: expert e's logit is router_gap times its code dim (after the
+    post-attention RMSNorm, which keeps a code near its value: the embedding's rms is ~1)."""
+    weight = torch.zeros(moe.num_experts, hidden, device=device)
+    experts = torch.arange(moe.num_experts, device=device)
+    code_dims = torch.arange(hidden, device=device)[router_code_dims(hidden, moe)]
+    weight[experts, code_dims] = moe.router_gap
+    return weight.to(torch.bfloat16)
+
+
+def routing_from_weights(embed: torch.Tensor, gate: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+    """embed [vocab, h], gate [num_experts, h] -> (experts [vocab, k] in rank order, the smallest
+    router-logit gap between consecutive ranks down to the first unchosen expert), layers ignored."""
+    logits = _unit_rms(embed.float()) @ gate.float().T  # [vocab, num_experts]
+    top = logits.topk(min(k + 1, logits.shape[1]), dim=-1)
+    gaps = top.values[:, :-1] - top.values[:, 1:]
+    return top.indices[:, :k], gaps.min().item()
+
+
+def expert_table(model_dir: str | Path, device="cpu") -> torch.Tensor:
+    """A qwen3_moe target's routed experts per token [vocab, k], rank order, from its weights."""
+    names = ("model.embed_tokens.weight", "model.layers.0.mlp.gate.weight")
+    ckpt = load_checkpoint(model_dir, device=device, names=names)
+    k = ckpt.config["num_experts_per_tok"]
+    return routing_from_weights(ckpt.weights[names[0]], ckpt.weights[names[1]], k)[0]
+
+
+def expected_routed_experts(model_dir: str | Path, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), num_layers, k]: the experts every layer routes each token to, as sglang
+    returns them per position (rank order; a set is what the model fixes, see MoeSpec)."""
+    table = expert_table(model_dir)
+    num_layers = load_meta(model_dir)["spec"]["num_layers"]
+    return table[torch.tensor(token_ids)][:, None, :].expand(-1, num_layers, -1).clone()
+
+
 def table_continuations(model_dir: str | Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     """The target's greedy continuation of each prompt: n steps along its successor table."""
     successor = successor_table(model_dir).tolist()
@@ -231,14 +313,24 @@ def table_continuations(model_dir: str | Path, prompts: list[list[int]], n: int)
     return out
 
 
-def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu", family: str = "llama") -> TargetInfo:
+def make_target(
+    out_dir: str | Path, spec: TargetSpec, *, device="cpu", family: str = "llama", moe: MoeSpec | None = None
+) -> TargetInfo:
     if family not in TARGET_FAMILIES:
         raise ValueError(f"family must be one of {TARGET_FAMILIES}, got {family!r}")
+    if (family == "qwen3_moe") != (moe is not None):
+        raise ValueError("a MoeSpec is for family='qwen3_moe' and that family needs one")
     out_dir = Path(out_dir)
     gen = torch.Generator(device=device).manual_seed(spec.seed)
     h = spec.hidden
     successor = torch.randperm(spec.vocab, generator=gen, device=device)  # [vocab]
     embed = torch.randn(spec.vocab, h, generator=gen, device=device).to(torch.bfloat16)  # [vocab, h]
+    if moe is not None:
+        assert moe.num_experts <= h // 8, "the routing code would crowd out the embedding"
+        # [vocab, k]: a random ordered choice of k experts per token
+        chosen = torch.rand(spec.vocab, moe.num_experts, generator=gen, device=device).argsort(dim=1)
+        chosen = chosen[:, : moe.num_experts_per_tok]
+        embed[:, router_code_dims(h, moe)] = routing_codes(chosen, moe).to(torch.bfloat16)
     # After the final RMSNorm the hidden is ~E[t] at norm sqrt(h): the successor's logit is
     # ~scale*sqrt(h) and every other row is a random projection ~scale*N(0,1), whose max over the
     # vocab stays below ~5 sigma. So this scale gives about `logit_margin` nats.
@@ -251,30 +343,62 @@ def make_target(out_dir: str | Path, spec: TargetSpec, *, device="cpu", family: 
     weights = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
     for i in range(spec.num_layers):
         weights |= small_layer_weights(spec, f"model.layers.{i}", spec.layer_gain, gen, device)
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3_moe"):
             for norm in ("q_norm", "k_norm"):
                 weights[f"model.layers.{i}.self_attn.{norm}.weight"] = torch.ones(
                     spec.head_dim, device=device, dtype=torch.bfloat16)
+        if moe is not None:
+            for proj in ("gate_proj", "up_proj", "down_proj"):  # every layer is sparse
+                del weights[f"model.layers.{i}.mlp.{proj}.weight"]
+            weights |= _moe_layer_weights(spec, moe, f"model.layers.{i}", gen, device)
     weights["model.norm.weight"] = torch.ones(h, device=device, dtype=torch.bfloat16)
 
     assert torch.equal(successor_from_weights(embed, lm_head), successor)
     top2 = _topk(_unit_rms(embed.float()), lm_head.float(), 2)[0]  # [vocab, 2]
     min_margin = (top2[:, 0] - top2[:, 1]).min().item()
+    # The spec's count is the dense shape's; experts replace the MLP.
+    num_params = spec.num_params if moe is None else sum(t.numel() for t in weights.values())
     meta = {
         "kind": "target",
         "family": family,
         "spec": asdict(spec),
-        "num_params": spec.num_params,
+        "num_params": num_params,
         "lm_head_scale": scale,
         "min_embedding_margin": min_margin,
         "generated_on": str(torch.device(device).type),  # CPU and CUDA generators differ
     }
-    if family == "qwen3":
+    if moe is not None:
+        gate = weights["model.layers.0.mlp.gate.weight"]
+        routed, min_gap = routing_from_weights(embed, gate, moe.num_experts_per_tok)
+        assert torch.equal(routed, chosen), "the router does not pick the drawn experts"
+        meta["moe"] = asdict(moe)
+        meta["min_router_gap"] = min_gap
+    if family == "qwen3_moe":
+        config = _qwen3_moe_config(spec, moe, num_layers=spec.num_layers)
+    elif family == "qwen3":
         config = _qwen3_config(spec, num_layers=spec.num_layers)
     else:
         config = llama_config(spec, architecture="LlamaForCausalLM", num_layers=spec.num_layers)
     save_model(out_dir, config, weights, meta)
-    return TargetInfo(out_dir, spec, spec.num_params, scale, min_margin)
+    return TargetInfo(out_dir, spec, num_params, scale, min_margin)
+
+
+def _moe_layer_weights(spec: TargetSpec, moe: MoeSpec, prefix: str, gen: torch.Generator, device) -> dict:
+    """Qwen3-MoE's router and experts in place of the dense MLP (names as HF checkpoints write
+    them: sglang's FusedMoE loads mlp.experts.E.{gate,up,down}_proj)."""
+    h, inter = spec.hidden, moe.moe_intermediate
+
+    def weight(out_features: int, in_features: int) -> torch.Tensor:  # [out, in]
+        w = torch.randn(out_features, in_features, generator=gen, device=device)
+        return (w * (spec.layer_gain / math.sqrt(in_features))).to(torch.bfloat16)
+
+    weights = {f"{prefix}.mlp.gate.weight": router_weight(h, moe, device)}
+    for e in range(moe.num_experts):
+        expert = f"{prefix}.mlp.experts.{e}"
+        weights[f"{expert}.gate_proj.weight"] = weight(inter, h)
+        weights[f"{expert}.up_proj.weight"] = weight(inter, h)
+        weights[f"{expert}.down_proj.weight"] = weight(h, inter)
+    return weights
 
 
 def noisy_identity(noise: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -402,12 +526,16 @@ def make_eagle_draft(
 
 
 def make_pair(
-    out_root: str | Path, preset: str = "toy", agreement: float = 0.7, *, seed: int = 0, device="cpu"
+    out_root: str | Path, preset: str = "toy", agreement: float = 0.7, *, seed: int = 0, device="cpu",
+    family: str = "llama", moe: MoeSpec | None = None, num_layers: int | None = None,
 ) -> tuple[TargetInfo, DraftInfo]:
-    """-> out_root/target and out_root/draft (the layout tests and benchmarks look for)."""
+    """-> out_root/target and out_root/draft (the layout tests and benchmarks look for).
+    num_layers overrides the preset's."""
     out_root = Path(out_root)
     spec = TargetSpec(**{**asdict(PRESETS[preset]), "seed": seed})
-    target = make_target(out_root / "target", spec, device=device)
+    if num_layers is not None:
+        spec = replace(spec, num_layers=num_layers)
+    target = make_target(out_root / "target", spec, device=device, family=family, moe=moe)
     draft = make_eagle_draft(out_root / "draft", target.path, agreement=agreement, seed=seed + 1, device=device)
     return target, draft
 

@@ -4,6 +4,7 @@ checkpoint meant for it. sglang picks CPU kernels at import time from SGLANG_USE
 which is why this runs in its own process.
 
     SGLANG_USE_CPU_ENGINE=1 python sglang_loads_synth.py TARGET_DIR DRAFT_DIR
+    SGLANG_USE_CPU_ENGINE=1 python sglang_loads_synth.py --qwen3-moe TARGET_DIR
 """
 
 from __future__ import annotations
@@ -28,7 +29,25 @@ from specpatch.single_rank import init_model_parallel_on_cpu  # noqa: E402
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+# sglang's FusedMoE stacks every expert's checkpoint tensors into one parameter per layer:
+# w13_weight [num_experts, 2 * inter, h] = cat(gate_proj, up_proj), w2_weight = down_proj.
+FUSED_EXPERTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
+
+
+def expected_experts(param_name: str, weights: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    layer, _, fused = param_name.rpartition(".experts.")
+    if fused not in FUSED_EXPERTS:
+        return None
+    experts = []
+    while all(f"{layer}.experts.{len(experts)}.{p}.weight" in weights for p in FUSED_EXPERTS[fused]):
+        e = len(experts)
+        experts.append(torch.cat([weights[f"{layer}.experts.{e}.{p}.weight"] for p in FUSED_EXPERTS[fused]]))
+    return torch.stack(experts) if experts else None
+
+
 def expected_value(param_name: str, weights: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    if ".experts." in param_name:
+        return expected_experts(param_name, weights)
     for prefix in ("", "model."):
         if param_name.startswith(prefix) and param_name[len(prefix):] in weights:
             return weights[param_name[len(prefix):]]
@@ -57,9 +76,7 @@ def mismatches(model: torch.nn.Module, model_dir: Path, skip: tuple[str, ...] = 
     return bad
 
 
-def main(target_dir: Path, draft_dir: Path) -> None:
-    from transformers import AutoConfig
-
+def init_sglang_on_cpu(target_dir: Path) -> None:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.dp_attention import initialize_dp_attention
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -69,6 +86,22 @@ def main(target_dir: Path, draft_dir: Path) -> None:
         model_path=str(target_dir), device="cpu", attention_backend="torch_native", skip_tokenizer_init=True)
     set_global_server_args_for_scheduler(server_args)
     initialize_dp_attention(server_args, ModelConfig.from_server_args(server_args))
+
+
+def main_qwen3_moe(target_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    init_sglang_on_cpu(target_dir)
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    target = Qwen3MoeForCausalLM(AutoConfig.from_pretrained(target_dir)).to(torch.float32)
+    print(json.dumps({"target": mismatches(target, target_dir)}))
+
+
+def main(target_dir: Path, draft_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    init_sglang_on_cpu(target_dir)
 
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
@@ -84,4 +117,7 @@ def main(target_dir: Path, draft_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    if sys.argv[1] == "--qwen3-moe":
+        main_qwen3_moe(Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -17,8 +17,14 @@ overwritten by the next round.
 The next round drafts from each request's bonus token, the last accepted one: compaction
 returns it too (bonus_tokens: [bs] int32), as it knows where each path ends.
 
-All operations are fixed-size and sync-free. On CUDA one triton kernel moves predict and
-hidden_states, writes the KV slot moves and the bonus tokens, and the pool moves the KV: at
+Per-token captures of the verify forward (routed experts, the NSA indexer's top-k; see
+sglang.srt.speculative.verify_captures) are rows in the same layout until the scheduler writes
+row r to its host cache at KV slot out_cache_loc[r]. They move with predict and hidden_states,
+so that each committed slot ends up with its accepted node's capture, like its KV.
+
+All operations are fixed-size and sync-free. On CUDA one triton kernel moves predict,
+hidden_states and the captures, writes the KV slot moves and the bonus tokens, and the pool moves
+the KV: at
 bs 1 the decode loop is bound by kernel launches on the host, so the ~20 small torch ops of the
 plain version (plan_accepted_path_moves + compact_rows + bonus_tokens_of_compacted, kept as the
 reference and the CPU path) cost tok/s.
@@ -27,7 +33,7 @@ reference and the CPU path) cost tok/s.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 import triton
@@ -105,29 +111,111 @@ def compact_rows(rows: torch.Tensor, moves: AcceptedPathMoves) -> None:
     rows.index_copy_(0, moves.dst_rows, rows.index_select(0, moves.src_rows))
 
 
+# Row tensors (hidden states and captures) one kernel launch moves; more fall back to torch.
+MAX_FUSED_ROW_TENSORS = 3
+_ROW_TILE = 256
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where a row tensor's elements lie: element (row, col) of its [rows, num_cols] view is at
+    row * row_stride + (col // inner_size) * outer_stride + (col % inner_size) * inner_stride.
+
+    Covers [rows, n] and [rows, a, b] tensors of any strides, so a column slice of a wider
+    buffer (the capturers' device caches are sliced to topk_size columns) moves in place.
+    """
+
+    row_stride: int
+    inner_size: int
+    outer_stride: int
+    inner_stride: int
+    num_cols: int
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> "RowLayout":
+        if rows.dim() == 2:
+            return cls(rows.stride(0), max(rows.shape[1], 1), 0, rows.stride(1), rows.shape[1])
+        if rows.dim() == 3:
+            return cls(
+                rows.stride(0),
+                max(rows.shape[2], 1),
+                rows.stride(1),
+                rows.stride(2),
+                rows.shape[1] * rows.shape[2],
+            )
+        raise ValueError(
+            f"a row tensor to compact must be [rows, n] or [rows, a, b], got shape "
+            f"{tuple(rows.shape)}"
+        )
+
+
+@triton.jit
+def _move_row_tile(
+    rows_ptr,
+    src,  # [MAX_ACCEPT_POW2] int64 source row of each path slot
+    dst,  # [MAX_ACCEPT_POW2] int64 target row
+    moves,  # [MAX_ACCEPT_POW2] bool: the slot's row moves
+    tile,
+    row_stride,
+    inner_size,
+    outer_stride,
+    inner_stride,
+    num_cols,
+    BLOCK: tl.constexpr,
+):
+    """rows[dst] = rows[src] for columns [tile * BLOCK, (tile + 1) * BLOCK) (RowLayout)."""
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    col_offsets = (cols // inner_size) * outer_stride + (cols % inner_size) * inner_stride
+    mask = moves[:, None] & (cols < num_cols)[None, :]
+    gathered = tl.load(rows_ptr + src[:, None] * row_stride + col_offsets[None, :], mask=mask)
+    # Every source of this tile is read before any target is written (a path that skips a
+    # node has rows that are both).
+    tl.debug_barrier()
+    tl.store(rows_ptr + dst[:, None] * row_stride + col_offsets[None, :], gathered, mask=mask)
+
+
 @triton.jit
 def _compact_accepted_path_kernel(
     accept_index_ptr,  # [bs, max_accept] flat rows of the path, -1 past its end
     out_cache_loc_ptr,  # [bs * num_draft_tokens] KV slot of each row
     predict_ptr,  # [bs * num_draft_tokens]
-    hidden_ptr,  # [bs * num_draft_tokens, hidden_size]; unused without HAS_HIDDEN
     tgt_slots_ptr,  # [bs * max_accept] out
     src_slots_ptr,  # [bs * max_accept] out
     bonus_ptr,  # [bs] out: the last accepted token
-    hidden_row_stride,
-    hidden_col_stride,
-    hidden_size,
+    # Up to three row tensors [bs * num_draft_tokens, ...] (hidden states, captures), each
+    # with its RowLayout; unused without HAS_ROWS_i.
+    rows0_ptr,
+    rows0_row_stride,
+    rows0_inner_size,
+    rows0_outer_stride,
+    rows0_inner_stride,
+    rows0_num_cols,
+    rows1_ptr,
+    rows1_row_stride,
+    rows1_inner_size,
+    rows1_outer_stride,
+    rows1_inner_stride,
+    rows1_num_cols,
+    rows2_ptr,
+    rows2_row_stride,
+    rows2_inner_size,
+    rows2_outer_stride,
+    rows2_inner_stride,
+    rows2_num_cols,
     max_accept,
     num_draft_tokens,
     MAX_ACCEPT_POW2: tl.constexpr,
-    HAS_HIDDEN: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    HAS_ROWS0: tl.constexpr,
+    HAS_ROWS1: tl.constexpr,
+    HAS_ROWS2: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Program (b, h): request b's path rows, hidden columns [h * BLOCK_H, (h + 1) * BLOCK_H).
+    """Program (b, t): request b's path rows, columns [t * BLOCK, (t + 1) * BLOCK) of every
+    row tensor.
 
     Every program gathers all of its sources before a barrier and scatters after it, so a row
     that is both a source and a target (a path that skips a node) is read first. Requests'
-    blocks are disjoint and column tiles split hidden rows, so programs never share a row.
+    blocks are disjoint and column tiles split rows, so programs never share an element.
     """
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -149,13 +237,30 @@ def _compact_accepted_path_kernel(
         tl.debug_barrier()
         tl.store(predict_ptr + dst, tokens, mask=moves)
 
-    if HAS_HIDDEN:
-        cols = tile * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = moves[:, None] & (cols < hidden_size)[None, :]
-        col_offsets = cols[None, :] * hidden_col_stride
-        rows = tl.load(hidden_ptr + src[:, None] * hidden_row_stride + col_offsets, mask=mask)
-        tl.debug_barrier()
-        tl.store(hidden_ptr + dst[:, None] * hidden_row_stride + col_offsets, rows, mask=mask)
+    if HAS_ROWS0:
+        _move_row_tile(rows0_ptr, src, dst, moves, tile, rows0_row_stride, rows0_inner_size,
+                       rows0_outer_stride, rows0_inner_stride, rows0_num_cols, BLOCK)
+    if HAS_ROWS1:
+        _move_row_tile(rows1_ptr, src, dst, moves, tile, rows1_row_stride, rows1_inner_size,
+                       rows1_outer_stride, rows1_inner_stride, rows1_num_cols, BLOCK)
+    if HAS_ROWS2:
+        _move_row_tile(rows2_ptr, src, dst, moves, tile, rows2_row_stride, rows2_inner_size,
+                       rows2_outer_stride, rows2_inner_stride, rows2_num_cols, BLOCK)
+
+
+def _row_tensors(
+    hidden_states: Optional[torch.Tensor], captures: Sequence[torch.Tensor], num_rows: int
+) -> list[torch.Tensor]:
+    """hidden_states (when captured) and the captures, each checked to hold one row per verify
+    row: a capture of other rows would be compacted along the wrong rows."""
+    row_tensors = ([hidden_states] if hidden_states is not None else []) + list(captures)
+    for rows in row_tensors:
+        if rows.shape[0] != num_rows:
+            raise ValueError(
+                f"a row tensor of shape {tuple(rows.shape)} to compact along the accepted path "
+                f"does not have the verify's {num_rows} rows"
+            )
+    return row_tensors
 
 
 def compact_path_rows_reference(
@@ -164,19 +269,35 @@ def compact_path_rows_reference(
     verify_out_cache_loc: torch.Tensor,
     predict: torch.Tensor,
     hidden_states: Optional[torch.Tensor],
+    captures: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain torch: compact predict and hidden_states in place; return the KV slot moves
-    (tgt, src), each [bs * max_accept] int64, identity past the path, and the bonus tokens
-    [bs] int32."""
+    """Plain torch: compact predict, hidden_states and the captures in place; return the KV
+    slot moves (tgt, src), each [bs * max_accept] int64, identity past the path, and the bonus
+    tokens [bs] int32."""
+    row_tensors = _row_tensors(hidden_states, captures, verify_out_cache_loc.shape[0])
     moves = plan_accepted_path_moves(accept_index, num_draft_tokens)
     compact_rows(predict, moves)
-    if hidden_states is not None:
-        compact_rows(hidden_states, moves)
+    for rows in row_tensors:
+        compact_rows(rows, moves)
     return (
         verify_out_cache_loc.index_select(0, moves.dst_rows).to(torch.int64),
         verify_out_cache_loc.index_select(0, moves.src_rows).to(torch.int64),
         bonus_tokens_of_compacted(accept_index, num_draft_tokens, predict),
     )
+
+
+def _row_tensor_args(rows: Optional[torch.Tensor], placeholder: torch.Tensor) -> list:
+    if rows is None:
+        return [placeholder, 0, 1, 0, 0, 0]
+    layout = RowLayout.of(rows)
+    return [
+        rows,
+        layout.row_stride,
+        layout.inner_size,
+        layout.outer_stride,
+        layout.inner_stride,
+        layout.num_cols,
+    ]
 
 
 def compact_path_rows_triton(
@@ -185,37 +306,43 @@ def compact_path_rows_triton(
     verify_out_cache_loc: torch.Tensor,
     predict: torch.Tensor,
     hidden_states: Optional[torch.Tensor],
+    captures: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """compact_path_rows_reference in one kernel launch."""
+    """compact_path_rows_reference in one kernel launch (up to MAX_FUSED_ROW_TENSORS row
+    tensors; more, which no verify produces today, are moved by torch afterwards)."""
     bs, max_accept = accept_index.shape
     _check_path_fits(max_accept, num_draft_tokens)
+    row_tensors = _row_tensors(hidden_states, captures, verify_out_cache_loc.shape[0])
+    fused, unfused = row_tensors[:MAX_FUSED_ROW_TENSORS], row_tensors[MAX_FUSED_ROW_TENSORS:]
     tgt_slots, src_slots = torch.empty(
         (2, bs * max_accept), dtype=torch.int64, device=accept_index.device
     )
     bonus_tokens = torch.empty(bs, dtype=torch.int32, device=accept_index.device)
     if bs == 0:
         return tgt_slots, src_slots, bonus_tokens
-    has_hidden = hidden_states is not None
-    hidden_size = hidden_states.shape[-1] if has_hidden else 0
-    block_h = 256
-    grid = (bs, triton.cdiv(hidden_size, block_h) if has_hidden else 1)
-    _compact_accepted_path_kernel[grid](
+    num_tiles = max([triton.cdiv(RowLayout.of(rows).num_cols, _ROW_TILE) for rows in fused] + [1])
+    slots = fused + [None] * (MAX_FUSED_ROW_TENSORS - len(fused))
+    row_args = [arg for rows in slots for arg in _row_tensor_args(rows, predict)]
+    _compact_accepted_path_kernel[(bs, num_tiles)](
         accept_index,
         verify_out_cache_loc,
         predict,
-        hidden_states if has_hidden else predict,
         tgt_slots,
         src_slots,
         bonus_tokens,
-        hidden_states.stride(0) if has_hidden else 0,
-        hidden_states.stride(-1) if has_hidden else 0,
-        hidden_size,
+        *row_args,
         max_accept,
         num_draft_tokens,
         MAX_ACCEPT_POW2=triton.next_power_of_2(max_accept),
-        HAS_HIDDEN=has_hidden,
-        BLOCK_H=block_h,
+        HAS_ROWS0=slots[0] is not None,
+        HAS_ROWS1=slots[1] is not None,
+        HAS_ROWS2=slots[2] is not None,
+        BLOCK=_ROW_TILE,
     )
+    if unfused:
+        moves = plan_accepted_path_moves(accept_index, num_draft_tokens)
+        for rows in unfused:
+            compact_rows(rows, moves)
     return tgt_slots, src_slots, bonus_tokens
 
 
@@ -227,17 +354,21 @@ def compact_accepted_tree_path(
     kv_pool: MovableKVPool,
     predict: torch.Tensor,
     hidden_states: Optional[torch.Tensor],
+    captures: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """Compact KV slots, predict and hidden_states (when captured) of the accepted paths;
-    return the bonus tokens, [bs] int32.
+    """Compact KV slots, predict, hidden_states (when captured) and the verify's per-token
+    captures along the accepted paths; return the bonus tokens, [bs] int32.
 
     accept_index: [bs, max_accept]; verify_out_cache_loc: [bs * num_draft_tokens], the KV slot
     verify wrote for each row; predict: [bs * num_draft_tokens]; hidden_states:
-    [bs * num_draft_tokens, hidden] or None. predict and hidden_states change in place.
+    [bs * num_draft_tokens, hidden] or None; captures: [bs * num_draft_tokens, ...] each, rows
+    that the scheduler writes to KV slot verify_out_cache_loc[row] later
+    (verify_captures.verify_capture_rows). predict, hidden_states and the captures change in
+    place.
     """
     compact = compact_path_rows_triton if predict.is_cuda else compact_path_rows_reference
     tgt_slots, src_slots, bonus_tokens = compact(
-        accept_index, num_draft_tokens, verify_out_cache_loc, predict, hidden_states
+        accept_index, num_draft_tokens, verify_out_cache_loc, predict, hidden_states, captures
     )
     kv_pool.move_kv_cache(tgt_slots, src_slots)
     # The KV canary's fingerprints travel with the K/V they describe (no-op when off).
