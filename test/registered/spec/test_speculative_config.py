@@ -124,12 +124,16 @@ BASE = dict(topk=4, page_size=1, overlap_disabled=False, spec_v2_env_enabled=Tru
      "needs a non-MLA target for the flashinfer attention backend: on an MLA target it runs flashinfer_mla"),
     ({"attention_backends": {"triton", "flashinfer"}, "mla_target": True}, False, "flashinfer_mla"),
     ({"attention_backends": {"flashinfer"}, "mla_target": True, "topk": 1}, True, None),
-    # Hopper's default backend: its v2 trees are token-identical on a GPU
-    # (test_tree_v2_gpu.py::test_tree_v2_on_fa3_is_token_identical_to_no_spec) but slower than v1
-    ({"attention_backends": {"fa3"}}, False,
-     "an attention backend in ['flashinfer', 'triton'], got fa3 (fa3's spec v2 draft extend has no CUDA graph"),
-    ({"attention_backends": {"fa3", "flashinfer"}}, False, "got fa3 (fa3's spec v2"),
-    ({"attention_backends": {"fa3", "aiter"}}, False, "got aiter, fa3 (fa3's spec v2"),
+    # Hopper's default backend: v2 trees with a draft-extend CUDA graph (patch 0017)
+    ({"attention_backends": {"fa3"}}, True, None),
+    ({"attention_backends": {"fa3", "flashinfer"}}, True, None),
+    ({"attention_backends": {"fa3"}, "mla_target": True}, False,
+     "a non-MLA target for the fa3 attention backend: its MLA path has not run spec v2 trees"),
+    ({"attention_backends": {"fa3", "flashinfer"}, "mla_target": True}, False,
+     "for the fa3 attention backend: its MLA path has not run spec v2 trees on a GPU; a non-MLA target "
+     "for the flashinfer attention backend"),
+    ({"attention_backends": {"fa3", "aiter"}}, False,
+     "an attention backend in ['fa3', 'flashinfer', 'triton'], got aiter"),
 ])
 def test_spec_version_decision_table(change, use_v2, reason):
     version = hook.choose_spec_version(**{**BASE, **change})
@@ -209,8 +213,8 @@ def test_server_args_refuse_a_dp_attention_tree_without_cuda_graphs(pair):
     "backends,use_v2,reason",
     [
         # the draft worker runs draft decode and draft extend on --speculative-draft-attention-backend
-        (dict(attention_backend="triton", speculative_draft_attention_backend="fa3"), False, "got fa3 (fa3's spec v2"),
-        (dict(attention_backend="fa3", speculative_draft_attention_backend="triton"), False, "got fa3 (fa3's spec v2"),
+        (dict(attention_backend="triton", speculative_draft_attention_backend="aiter"), False, "got aiter"),
+        (dict(attention_backend="aiter", speculative_draft_attention_backend="triton"), False, "got aiter"),
         (dict(attention_backend="triton", speculative_draft_attention_backend="triton"), True, None),
         (dict(attention_backend="flashinfer", speculative_draft_attention_backend="triton"), True, None),
         (dict(attention_backend="flashinfer", mla_target=True), False, "it runs flashinfer_mla"),
@@ -222,8 +226,8 @@ def test_server_args_refuse_a_dp_attention_tree_without_cuda_graphs(pair):
         (dict(attention_backend="triton", mla_target=True), True, None),
     ],
     ids=[
-        "draft-fa3",
-        "target-fa3",
+        "draft-aiter",
+        "target-aiter",
         "draft-triton",
         "flashinfer-draft-triton",
         "flashinfer-mla",
@@ -247,12 +251,13 @@ def test_hook_decides_on_every_backend_in_play(backends, use_v2, reason, caplog)
 @pytest.mark.parametrize(
     "backends,use_v2,reason",
     [
-        (dict(attention_backend="triton", speculative_draft_attention_backend="fa3"), False, "got fa3 (fa3's spec v2"),
-        (dict(attention_backend="fa3", speculative_draft_attention_backend="triton"), False, "got fa3 (fa3's spec v2"),
-        (dict(attention_backend="triton", speculative_draft_attention_backend="triton"), True, None),
+        (dict(attention_backend="triton", speculative_draft_attention_backend="fa3"), True, None),
+        (dict(attention_backend="fa3", speculative_draft_attention_backend="triton"), True, None),
+        (dict(attention_backend="triton", speculative_draft_attention_backend="torch_native"), False,
+         "got torch_native"),
         (dict(attention_backend="flashinfer"), True, None),
     ],
-    ids=["draft-fa3", "target-fa3", "draft-triton", "flashinfer"],
+    ids=["draft-fa3", "target-fa3", "draft-torch-native", "flashinfer"],
 )
 def test_server_args_decide_on_the_draft_backend_too(pair, backends, use_v2, reason, caplog):
     with caplog.at_level(logging.WARNING):

@@ -33,8 +33,27 @@ TREE_SHAPES = [
 
 
 FLASHINFER_SKIP = pytest.mark.skipif(eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable()))
-# Trees run spec v2 on both; flashinfer is sglang's default backend for topk > 1.
-BACKENDS = ["triton", pytest.param("flashinfer", marks=FLASHINFER_SKIP)]
+
+
+def _fa3_unavailable() -> Optional[str]:
+    """Why FA3 cannot run here, or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "sgl_kernel's FA3 images for this test host are sm_90 only"
+    try:
+        import sgl_kernel.flash_attn  # noqa: F401
+    except ImportError as exc:
+        return f"{exc} The GPU bundle leaves FA3 out; tools/specpatch/fa3_stage.py ships it in parts."
+    return None
+
+
+FA3_SKIP = pytest.mark.skipif(_fa3_unavailable() is not None, reason=str(_fa3_unavailable()))
+# Trees run spec v2 on all three; flashinfer is sglang's default backend for topk > 1, fa3
+# Hopper's for topk 1 and the one users pick there.
+BACKENDS = ["triton", pytest.param("flashinfer", marks=FLASHINFER_SKIP), pytest.param("fa3", marks=FA3_SKIP)]
 
 
 @pytest.fixture(scope="module")
@@ -183,21 +202,6 @@ def test_tree_v2_on_flashinfer_is_token_identical_to_no_spec(toy_pair, prompts, 
                                       attention_backend="flashinfer")
 
 
-def _fa3_unavailable() -> Optional[str]:
-    """Why FA3 cannot run here, or None."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA"
-    if torch.cuda.get_device_capability()[0] != 9:
-        return "sgl_kernel's FA3 images for this test host are sm_90 only"
-    try:
-        import sgl_kernel.flash_attn  # noqa: F401
-    except ImportError as exc:
-        return f"{exc} The GPU bundle leaves FA3 out; tools/specpatch/fa3_stage.py ships it in parts."
-    return None
-
-
 FA3_TREE_SHAPES = [
     (eng.SpecConfig(4, 3, 8), True),
     (eng.SpecConfig(16, 3, 64), True),
@@ -205,17 +209,11 @@ FA3_TREE_SHAPES = [
 ]
 
 
-@pytest.mark.skipif(_fa3_unavailable() is not None, reason=str(_fa3_unavailable()))
+@FA3_SKIP
 @pytest.mark.parametrize("spec,cuda_graph", FA3_TREE_SHAPES,
                          ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in FA3_TREE_SHAPES])
-def test_tree_v2_on_fa3_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_graph, monkeypatch,
-                                                       record_metric):
+def test_tree_v2_on_fa3_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_graph, record_metric):
     """FA3 builds the tree verify without a custom-mask kernel: a prefix pass merged with one
     pass per draft token over the ancestors that the FULL_MASK rows name. Draft extend runs
-    num_draft_tokens rows per request from extend_seq_lens. The hook keeps FA3 trees on spec v1,
-    which is faster (SPEC_V1_FASTER_TREE_BACKENDS); here it lets them onto spec v2."""
-    from sglang.srt.arg_groups import speculative_hook
-
-    monkeypatch.setattr(speculative_hook, "SPEC_V2_TREE_ATTENTION_BACKENDS",
-                        speculative_hook.SPEC_V2_TREE_ATTENTION_BACKENDS | {"fa3"})
+    num_draft_tokens rows per request, CUDA-graphed since patch 0017."""
     check_identity_across_batch_sizes(toy_pair, prompts, spec, cuda_graph, record_metric, attention_backend="fa3")

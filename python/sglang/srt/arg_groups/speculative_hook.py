@@ -34,18 +34,15 @@ logger = logging.getLogger(__name__)
 
 # Attention backends with spec-v2 tree metadata (target verify, draft decode, draft extend; eager
 # and CUDA graph), each exercised by the spec-v2 tree tests on a GPU. flashinfer: patch 0014
-# (host-planned verify and draft extend; non-MLA targets only, see MLA_TREE_V1_BACKENDS).
-SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer"})
+# (host-planned verify and draft extend); fa3: patch 0017 (draft-extend CUDA graph). Non-MLA
+# targets only for those two, see MLA_TREE_V1_BACKENDS.
+SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer", "fa3"})
 
-# Backends that name a different class on an MLA target, one without spec-v2 tree support.
-MLA_TREE_V1_BACKENDS = {"flashinfer": "flashinfer_mla"}
-
-# Backends whose spec-v2 trees are token-identical on a GPU but run faster on spec v1, and why.
-# FA3: eagle_worker_v2 captures draft-extend CUDA graphs for triton and flashinfer only, so an
-# fa3 v2 tree's draft extend (num_draft_tokens rows per request) runs eagerly; v1 graphs it,
-# and measured faster (docs/results/gpu-2026-11-23f).
-SPEC_V1_FASTER_TREE_BACKENDS = {
-    "fa3": "fa3's spec v2 draft extend has no CUDA graph, so its trees are faster on spec v1",
+# Backends whose MLA targets keep trees on spec v1, and why: "flashinfer" names another class
+# there, and fa3's MLA kernels have not run a spec-v2 tree on a GPU.
+MLA_TREE_V1_BACKENDS = {
+    "flashinfer": "on an MLA target it runs flashinfer_mla, which has no spec v2 tree support",
+    "fa3": "its MLA path has not run spec v2 trees on a GPU",
 }
 
 # Trees with DP attention and no CUDA graphs crash at this base, in either version. Seen on two
@@ -336,20 +333,17 @@ def choose_spec_version(
     attention_backends = set(attention_backends)
     unsupported = sorted(attention_backends - SPEC_V2_TREE_ATTENTION_BACKENDS)
     if unsupported:
-        why = [SPEC_V1_FASTER_TREE_BACKENDS[b] for b in unsupported if b in SPEC_V1_FASTER_TREE_BACKENDS]
         return SpecVersion(
             False,
             prefix + f"an attention backend in {sorted(SPEC_V2_TREE_ATTENTION_BACKENDS)}, "
-            f"got {', '.join(unsupported)}" + "".join(f" ({w})" for w in why),
+            f"got {', '.join(unsupported)}",
         )
     on_mla = sorted(attention_backends & MLA_TREE_V1_BACKENDS.keys()) if mla_target else []
     if on_mla:
         return SpecVersion(
             False,
             prefix
-            + f"a non-MLA target for the {', '.join(on_mla)} attention backend: on an MLA target it runs "
-            + ", ".join(MLA_TREE_V1_BACKENDS[b] for b in on_mla)
-            + ", which has no spec v2 tree support",
+            + "; ".join(f"a non-MLA target for the {b} attention backend: {MLA_TREE_V1_BACKENDS[b]}" for b in on_mla),
         )
     return SpecVersion(True, None)
 
