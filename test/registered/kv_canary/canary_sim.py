@@ -93,7 +93,23 @@ class Req:
     owned: list = field(default_factory=list)  # slots this request allocated
 
 
+def spec_server_args(algorithm: Optional[str], *, num_steps: int = 3, radix: bool = False, overlap: bool = True,
+                     multi_layer: bool = False) -> SimpleNamespace:
+    """What install_kv_canary reads from ServerArgs, including what SpeculativeAlgorithm.create_worker
+    reads to pick the worker class whose draft extend sets the draft's token offset."""
+    return SimpleNamespace(
+        speculative_algorithm=algorithm,
+        speculative_num_steps=num_steps if algorithm else None,
+        disable_radix_cache=not radix,
+        disable_overlap_schedule=not overlap,
+        enable_multi_layer_eagle=multi_layer,
+    )
+
+
 class SimEngine:
+    """`algorithm` is what install_kv_canary is told; the draft extends below are always built
+    the way sglang's EAGLE, EAGLE3 and STANDALONE workers build them (ids rotated by one)."""
+
     def __init__(
         self,
         *,
@@ -101,6 +117,7 @@ class SimEngine:
         context: int = 96,
         slots: int = 2048,
         eagle: bool = True,
+        algorithm: str = "EAGLE",
         num_steps: int = 3,
         topk: int = 1,
         num_draft_tokens: Optional[int] = None,
@@ -130,7 +147,7 @@ class SimEngine:
         self._slots_seen: set[int] = set()
 
         config = CanaryConfig(mode=mode, sample_every=sample_every)
-        server_args = SimpleNamespace(speculative_num_steps=num_steps, disable_radix_cache=not radix)
+        server_args = spec_server_args(algorithm if eagle else None, num_steps=num_steps, radix=radix)
         self.target_pool = FakePool(slots + 1)
         self.target = api.install_kv_canary(self._runner(self.target_pool, False), server_args, config=config)
         self.draft_pool = FakePool(slots + 1) if eagle else None

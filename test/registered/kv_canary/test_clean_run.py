@@ -15,6 +15,12 @@ FLAVOURS = {
     "eagle_chain_one_step": (dict(num_steps=1), ("spec_rounds",)),
     "eagle_tree": (dict(num_steps=3, topk=3, num_draft_tokens=6), ("moved",)),
     "eagle_tree_radix": (dict(num_steps=4, topk=2, num_draft_tokens=7, radix=True), ("moved", "borrowed")),
+    # STANDALONE runs EAGLE's draft extend: its draft KV at p holds token p + 1 too
+    "standalone_chain": (dict(algorithm="STANDALONE", num_steps=3), ("spec_rounds", "borrowed")),
+    "standalone_tree_radix": (
+        dict(algorithm="STANDALONE", num_steps=4, topk=2, num_draft_tokens=7, radix=True),
+        ("moved", "borrowed"),
+    ),
     "no_spec": (dict(eagle=False), ("borrowed",)),
     "no_spec_radix": (dict(eagle=False, radix=True), ("borrowed",)),
 }

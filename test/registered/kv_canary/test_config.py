@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -23,9 +24,25 @@ def test_default_is_off():
     assert config.mode is CanaryMode.OFF and not config.enabled and config.sample_every == 1
 
 
-@pytest.mark.parametrize("raw,mode", [("off", CanaryMode.OFF), ("log", CanaryMode.LOG), (" RAISE ", CanaryMode.RAISE), ("", CanaryMode.OFF)])
+MODES = [
+    ("off", CanaryMode.OFF),
+    ("log", CanaryMode.LOG),
+    (" RAISE ", CanaryMode.RAISE),
+    ("", CanaryMode.OFF),
+    ("LOG", CanaryMode.LOG),
+    ("none", CanaryMode.OFF),  # newer upstream's spelling of off
+    ("None", CanaryMode.OFF),
+]
+
+
+@pytest.mark.parametrize("raw,mode", MODES)
 def test_mode_from_env(raw, mode):
     assert parse_canary_config(env={ENV_MODE: raw}).mode is mode
+
+
+@pytest.mark.parametrize("raw,mode", [m for m in MODES if m[0]])
+def test_explicit_mode_is_read_as_the_env_is(raw, mode):
+    assert parse_canary_config(raw, env={}).mode is mode
 
 
 def test_explicit_values_win_over_env():
@@ -47,12 +64,12 @@ def test_bad_env_values_name_the_variable(env, name):
         parse_canary_config(env=env)
 
 
-def test_bad_explicit_values_name_the_argument():
-    with pytest.raises(ValueError, match="mode="):
+def test_bad_explicit_values_name_the_flag():
+    with pytest.raises(ValueError, match=re.escape("--kv-canary='sometimes': expected one of off|none|log|raise")):
         parse_canary_config("sometimes", env={})
-    with pytest.raises(ValueError, match="sample_every="):
+    with pytest.raises(ValueError, match="--kv-canary-sample-every=0"):
         parse_canary_config("log", 0, env={})
-    with pytest.raises(ValueError, match="sample_every="):
+    with pytest.raises(ValueError, match="--kv-canary-sample-every=True"):
         parse_canary_config("log", True, env={})
     with pytest.raises(ValueError, match="sample_fraction="):
         parse_canary_config("log", sample_fraction=1.5, env={})
@@ -108,12 +125,12 @@ class _Pool:
 
 
 def test_enabled_install_sizes_buffers_from_the_pools():
-    from canary_sim import FakePool, FakeReqToTokenPool
+    from canary_sim import FakePool, FakeReqToTokenPool, spec_server_args
 
     r2t_pool = FakeReqToTokenPool(rows=5, context=32, device=torch.device("cpu"))
     target = SimpleNamespace(token_to_kv_pool=FakePool(100), req_to_token_pool=r2t_pool, is_draft_worker=False)
     draft = SimpleNamespace(token_to_kv_pool=FakePool(100), req_to_token_pool=r2t_pool, is_draft_worker=True)
-    args = SimpleNamespace(speculative_num_steps=4, disable_radix_cache=True, speculative_algorithm="EAGLE")
+    args = spec_server_args("EAGLE", num_steps=4)
     on = CanaryConfig(CanaryMode.LOG)
     t = api.install_kv_canary(target, args, config=on)
     d = api.install_kv_canary(draft, args, config=on)
@@ -124,22 +141,22 @@ def test_enabled_install_sizes_buffers_from_the_pools():
     assert t.record.identity == "request"
 
 
-def test_draft_of_one_step_still_has_one_single_forward_and_standalone_has_no_offset():
-    from canary_sim import FakePool, FakeReqToTokenPool
+def test_draft_of_one_step_still_has_one_single_forward():
+    from canary_sim import FakePool, FakeReqToTokenPool, spec_server_args
 
     r2t_pool = FakeReqToTokenPool(rows=3, context=8, device=torch.device("cpu"))
     draft = SimpleNamespace(token_to_kv_pool=FakePool(10), req_to_token_pool=r2t_pool, is_draft_worker=True)
-    args = SimpleNamespace(speculative_num_steps=1, speculative_algorithm="STANDALONE")
+    args = spec_server_args("STANDALONE", num_steps=1, radix=True)
     manager = api.install_kv_canary(draft, args, config=CanaryConfig(CanaryMode.LOG))
-    assert len(manager.single_forwards) == 1 and manager.group.token_offset == 0 and manager.is_draft
+    assert len(manager.single_forwards) == 1 and manager.group.token_offset == 1 and manager.is_draft
     assert manager.record.identity == "content"  # radix cache on: KV is shared across requests
 
 
 def test_multi_layer_draft_runners_get_their_layer_offset():
-    from canary_sim import FakePool, FakeReqToTokenPool
+    from canary_sim import FakePool, FakeReqToTokenPool, spec_server_args
 
     r2t_pool = FakeReqToTokenPool(rows=3, context=8, device=torch.device("cpu"))
-    args = SimpleNamespace(speculative_num_steps=3, speculative_algorithm="EAGLE", disable_radix_cache=True)
+    args = spec_server_args("EAGLE", num_steps=3, multi_layer=True)
     managers = [
         api.install_kv_canary(
             SimpleNamespace(token_to_kv_pool=FakePool(10), req_to_token_pool=r2t_pool, is_draft_worker=True, draft_model_idx=i),

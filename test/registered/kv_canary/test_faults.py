@@ -126,6 +126,7 @@ def test_a_draft_step_bound_to_another_pool_is_detected(two_requests):
 FLAVOURS = {
     "eagle_chain": dict(num_steps=3),
     "eagle_tree_radix": dict(num_steps=3, topk=3, num_draft_tokens=6, radix=True),
+    "standalone_tree_radix": dict(algorithm="STANDALONE", num_steps=3, topk=3, num_draft_tokens=6, radix=True),
     "no_spec": dict(eagle=False),
 }
 

@@ -23,6 +23,7 @@ Modules, in reading order:
 from sglang.srt.kv_canary.api import (
     active_step,
     capturing,
+    check_canary_settings,
     draft_extend_brackets,
     install_kv_canary,
     on_free,
@@ -51,6 +52,7 @@ __all__ = [
     "Violation",
     "active_step",
     "capturing",
+    "check_canary_settings",
     "draft_extend_brackets",
     "flush_deferred_findings",
     "install_kv_canary",
