@@ -112,6 +112,19 @@ def toy_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def standalone_pair(tmp_path_factory):
+    """The toy Llama target + a STANDALONE draft, an ordinary Llama LM agreeing with it on ~70%
+    of tokens (specpatch.synth_standalone)."""
+    from specpatch import synth, synth_standalone
+
+    cache = os.environ.get("SPECPATCH_MODEL_CACHE")
+    out = (Path(cache) if cache else tmp_path_factory.mktemp("models")) / "standalone-toy-a0.7"
+    if not (out / "draft" / synth.META).exists():
+        synth_standalone.make_standalone_pair(out, "toy", 0.7, device="cuda")
+    return out / "target", out / "draft"
+
+
+@pytest.fixture(scope="session")
 def qwen3_eagle3_pair(tmp_path_factory):
     """Dense Qwen3 target + EAGLE3 draft whose first step agrees on ~70% of tokens: the pair
     DP attention can run (specpatch.synth_eagle3)."""
