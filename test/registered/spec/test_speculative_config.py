@@ -408,6 +408,33 @@ def test_shape_flags_help_says_unset_values_are_derived():
     assert "at most 1024" in helps[TOKENS]
 
 
+def test_shape_flags_help_states_the_rules_the_hook_enforces():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    helps = {a.option_strings[0]: " ".join(a.help.split()) for a in parser._actions if a.option_strings}
+    # check_at_least_one
+    assert "(>= 1)" in helps[STEPS] and "(>= 1;" in helps[TOPK]
+    # complete_shape's rules, with the values COMPLETIONS and REFUSED pin
+    for rule in (
+        "topk 1 alone: a chain of 3 steps",
+        "topk k > 1 alone: 3 steps and min(2k, 1024) draft tokens",
+        "steps alone: a chain (topk 1)",
+        "max(2k, steps + 1) for a tree (capped by the tree's size and 1024)",
+        "3 for a tree or the fewest whose tree holds the tokens",
+        "Tokens without topk are refused unless steps is set and tokens == steps + 1",
+    ):
+        assert rule in helps[STEPS], rule
+    # check_chain_shape, check_tree_shape / max_tree_draft_tokens, check_draft_token_cap
+    assert "exactly steps + 1 for a chain" in helps[TOKENS]
+    assert "2 to 1 + topk + (steps - 1) * topk^2; at most 1024" in helps[TOKENS]
+    # check_draft_model_given, check_draft_model_path
+    assert "required unless the target has draft (MTP) layers" in helps["--speculative-draft-model-path"]
+
+
 # ----------------------------------------------------------------------------- complete_shape (pure)
 
 

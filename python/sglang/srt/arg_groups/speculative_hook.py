@@ -3,8 +3,15 @@
 Everything here runs inside ServerArgs.__post_init__, before any GPU allocation, so a bad
 combination of flags fails with a ValueError that names the flags.
 
+Before any of them, for every algorithm (`check_speculative_flags`, first thing in
+_handle_speculative_decoding): a --speculative-draft-model-path that is neither a local path
+nor a Hugging Face repo id is a ValueError naming the flag, and --speculative-* flags given
+without --speculative-algorithm, which upstream ignores, get one warning naming them.
+
 The decisions, in order:
-0. Shape completion (`complete_eagle_shape`): with none of --speculative-eagle-topk /
+0. A draft to run (`check_draft_model_given`): without --speculative-draft-model-path sglang
+   drafts with the target's checkpoint, which only a target with draft (MTP) layers can do.
+   Then shape completion (`complete_eagle_shape`): with none of --speculative-eagle-topk /
    --speculative-num-steps / --speculative-num-draft-tokens set, upstream's
    auto_choose_speculative_params picks all three; with some set, the others are derived from
    them (`complete_shape`, rules in its docstring) and one warning names the three values.
@@ -23,8 +30,12 @@ The decisions, in order:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
+import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional
 
 if TYPE_CHECKING:
@@ -92,6 +103,110 @@ DEFAULT_TREE_STEPS = 3
 TOPK_FLAG = "--speculative-eagle-topk"
 STEPS_FLAG = "--speculative-num-steps"
 DRAFT_TOKENS_FLAG = "--speculative-num-draft-tokens"
+ALGORITHM_FLAG = "--speculative-algorithm"
+DRAFT_MODEL_PATH_FLAG = "--speculative-draft-model-path"
+
+# speculative_* fields that a user's flag does not alone decide: upstream fills them before
+# _handle_speculative_decoding (the draft's quantization from --quantization, the MoE backends
+# from model-specific defaults), or refuses them itself without EAGLE (skip_dp_mlp_sync asserts).
+_SPECULATIVE_FIELDS_NOT_WARNED = frozenset(
+    {
+        "speculative_algorithm",
+        "speculative_draft_model_quantization",
+        "speculative_moe_runner_backend",
+        "speculative_moe_a2a_backend",
+        "speculative_skip_dp_mlp_sync",
+    }
+)
+
+
+# ----------------------------------------------------------------------------- flags and draft
+
+
+def check_speculative_flags(server_args: ServerArgs) -> None:
+    """Checks for every algorithm, before upstream reads any speculative flag."""
+    check_draft_model_path(server_args.speculative_draft_model_path)
+    if server_args.speculative_algorithm is None:
+        warn_ignored_speculative_flags(server_args)
+
+
+def check_draft_model_path(path: Optional[str]) -> None:
+    """The draft path names a local path or looks like a Hugging Face repo id.
+
+    Anything else reaches huggingface_hub (the algorithm alias check reads the draft's config
+    first thing) and fails as "Repo id must be in the form ...", naming no flag. A repo id that
+    is not a local directory stays allowed: the server may download it.
+    """
+    if path is None or os.path.exists(path):
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise ValueError(
+            f"{DRAFT_MODEL_PATH_FLAG} {path!r} does not exist locally and is not a Hugging Face "
+            "repo id ('name' or 'namespace/name')"
+        ) from None
+
+
+def ignored_speculative_flags(server_args: ServerArgs) -> list[str]:
+    """The --speculative-* flags set away from their defaults, as `--flag value`."""
+    given = []
+    for field in dataclasses.fields(type(server_args)):
+        if not field.name.startswith("speculative_") or field.name in _SPECULATIVE_FIELDS_NOT_WARNED:
+            continue
+        value = getattr(server_args, field.name)
+        if field.default is not dataclasses.MISSING and value != field.default:
+            given.append(f"--{field.name.replace('_', '-')} {value}")
+    return given
+
+
+def warn_ignored_speculative_flags(server_args: ServerArgs) -> None:
+    """Upstream runs without speculation when no algorithm is given and ignores the other
+    speculative flags: say so, since the user evidently meant to speculate."""
+    given = ignored_speculative_flags(server_args)
+    if given:
+        logger.warning(
+            "No %s is given, so speculative decoding is off and these flags are ignored: %s",
+            ALGORITHM_FLAG,
+            ", ".join(given),
+        )
+
+
+def builtin_draft_architecture(hf_config) -> Optional[str]:
+    """The draft model class sglang builds from the target's own checkpoint (MTP / NextN
+    layers) when no draft path is given, or None when the target has none.
+
+    Without a draft path the draft worker loads the target's checkpoint as a draft model, and
+    upstream's draft-config step (ModelConfig._config_draft_model) renames the architecture of
+    targets with draft layers (Qwen3NextForCausalLM -> Qwen3NextForCausalLMMTP); a target it
+    leaves as is gets loaded as a draft it is not. Run on a copy: the step edits the config.
+    """
+    from sglang.srt.configs.model_config import ModelConfig
+
+    target_architecture = hf_config.architectures[0]
+    draft_config = copy.copy(hf_config)
+    draft_config.architectures = list(hf_config.architectures)
+    ModelConfig._config_draft_model(SimpleNamespace(is_draft_model=True, hf_config=draft_config))
+    draft_architecture = draft_config.architectures[0]
+    return None if draft_architecture == target_architecture else draft_architecture
+
+
+def check_draft_model_given(server_args: ServerArgs) -> None:
+    """EAGLE, EAGLE3 and STANDALONE need --speculative-draft-model-path, unless the target
+    carries its own draft layers (builtin_draft_architecture). Called after upstream fills the
+    path in for the DeepSeek-style MTP targets it knows."""
+    if server_args.speculative_draft_model_path is not None:
+        return
+    hf_config = server_args.get_model_config().hf_config
+    if builtin_draft_architecture(hf_config) is not None:
+        return
+    raise ValueError(
+        f"{ALGORITHM_FLAG} {server_args.speculative_algorithm} needs {DRAFT_MODEL_PATH_FLAG} "
+        f"(a local directory or a Hugging Face repo id): the target ({hf_config.architectures[0]}) "
+        "has no draft (MTP) layers of its own to draft with"
+    )
 
 
 # ----------------------------------------------------------------------------- draft shape
