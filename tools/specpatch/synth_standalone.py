@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
 from specpatch import synth
 
 
@@ -32,28 +31,40 @@ class StandaloneDraftInfo:
     agreement: float
 
 
-def moved_head(lm_head: torch.Tensor, agreement: float, gen: torch.Generator) -> torch.Tensor:
+def moved_head(
+    lm_head: torch.Tensor, agreement: float, gen: torch.Generator
+) -> torch.Tensor:
     """lm_head [vocab, h] with the rows of round((1 - agreement) * vocab) random tokens moved
-    one place along a cycle through them (no row stays, so none of them is predicted as before)."""
+    one place along a cycle through them (no row stays, so none of them is predicted as before).
+    """
     vocab = lm_head.shape[0]
     num_moved = round((1.0 - agreement) * vocab)
     if num_moved == 1:
         num_moved = 2  # one row cannot move
-    moved = torch.randperm(vocab, generator=gen, device=gen.device)[:num_moved].to(lm_head.device)
+    moved = torch.randperm(vocab, generator=gen, device=gen.device)[:num_moved].to(
+        lm_head.device
+    )
     head = lm_head.clone()
     head[moved.roll(1)] = lm_head[moved]
     return head
 
 
 def make_standalone_draft(
-    out_dir: str | Path, target_dir: str | Path, *, agreement: float, seed: int = 1, device="cpu"
+    out_dir: str | Path,
+    target_dir: str | Path,
+    *,
+    agreement: float,
+    seed: int = 1,
+    device="cpu",
 ) -> StandaloneDraftInfo:
     assert 0.0 <= agreement <= 1.0
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     target = synth.load_checkpoint(target_dir, dtype=torch.bfloat16, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = dict(target.weights)
-    weights["lm_head.weight"] = moved_head(target.weights["lm_head.weight"], agreement, gen)
+    weights["lm_head.weight"] = moved_head(
+        target.weights["lm_head.weight"], agreement, gen
+    )
 
     embed = weights["model.embed_tokens.weight"]
     target_next = synth.successor_from_weights(embed, target.weights["lm_head.weight"])
@@ -73,21 +84,31 @@ def make_standalone_draft(
 
 
 def make_standalone_pair(
-    out_root: str | Path, preset: str = "toy", agreement: float = 0.7, *, seed: int = 0, device="cpu"
+    out_root: str | Path,
+    preset: str = "toy",
+    agreement: float = 0.7,
+    *,
+    seed: int = 0,
+    device="cpu",
 ) -> tuple[synth.TargetInfo, StandaloneDraftInfo]:
     """-> out_root/target (the Llama target of specpatch.synth) and out_root/draft."""
     out_root = Path(out_root)
     spec = synth.TargetSpec(**{**asdict(synth.PRESETS[preset]), "seed": seed})
     target = synth.make_target(out_root / "target", spec, device=device)
     draft = make_standalone_draft(
-        out_root / "draft", target.path, agreement=agreement, seed=seed + 1, device=device
+        out_root / "draft",
+        target.path,
+        agreement=agreement,
+        seed=seed + 1,
+        device=device,
     )
     return target, draft
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m specpatch.synth_standalone", description=__doc__.split("\n\n")[0]
+        prog="python -m specpatch.synth_standalone",
+        description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--out", required=True, help="writes OUT/target and OUT/draft")
     parser.add_argument("--preset", default="toy", choices=sorted(synth.PRESETS))

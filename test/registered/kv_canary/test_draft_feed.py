@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from canary_sim import FakePool, FakeReqToTokenPool, spec_server_args
 from sglang.srt.kv_canary import api
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
@@ -67,20 +66,26 @@ def _feed_shift(fed: torch.Tensor) -> int:
         fed_ids = fed[start : start + len(prompt)].tolist()
         start += len(prompt)
         sequence = prompt + [next_token]
-        (shift,) = [k for k in range(len(sequence)) if sequence[k : k + len(prompt)] == fed_ids]
+        (shift,) = [
+            k for k in range(len(sequence)) if sequence[k : k + len(prompt)] == fed_ids
+        ]
         shifts.add(shift)
     (shift,) = shifts
     return shift
 
 
 def _standalone_v1_feed() -> int:
-    from sglang.srt.speculative.standalone_worker import StandaloneWorker
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.standalone_worker import StandaloneWorker
 
     worker = SimpleNamespace(speculative_algorithm=SpeculativeAlgorithm.STANDALONE)
     with pytest.raises(_Fed) as fed:
         StandaloneWorker.forward_draft_extend(
-            worker, _ScheduleBatchProbe(), torch.zeros(7, 8), torch.tensor(NEXT_TOKENS), None
+            worker,
+            _ScheduleBatchProbe(),
+            torch.zeros(7, 8),
+            torch.tensor(NEXT_TOKENS),
+            None,
         )
     return _feed_shift(fed.value.input_ids)
 
@@ -90,7 +95,10 @@ def _standalone_v2_feed() -> int:
 
     with pytest.raises(_Fed) as fed:
         StandaloneDraftWorker._draft_extend_for_prefill(
-            SimpleNamespace(), _ModelWorkerBatchProbe(), torch.zeros(7, 8), torch.tensor(NEXT_TOKENS)
+            SimpleNamespace(),
+            _ModelWorkerBatchProbe(),
+            torch.zeros(7, 8),
+            torch.tensor(NEXT_TOKENS),
         )
     return _feed_shift(fed.value.input_ids)
 
@@ -141,21 +149,40 @@ def test_a_subclass_inherits_its_base_workers_feed():
 
 def _draft_runner(**extra) -> SimpleNamespace:
     r2t_pool = FakeReqToTokenPool(rows=3, context=8, device=torch.device("cpu"))
-    return SimpleNamespace(token_to_kv_pool=FakePool(10), req_to_token_pool=r2t_pool, is_draft_worker=True, **extra)
+    return SimpleNamespace(
+        token_to_kv_pool=FakePool(10),
+        req_to_token_pool=r2t_pool,
+        is_draft_worker=True,
+        **extra,
+    )
 
 
 def test_install_gives_a_standalone_draft_pool_offset_1():
     args = spec_server_args("STANDALONE", num_steps=1)
-    manager = api.install_kv_canary(_draft_runner(), args, config=CanaryConfig(CanaryMode.LOG))
+    manager = api.install_kv_canary(
+        _draft_runner(), args, config=CanaryConfig(CanaryMode.LOG)
+    )
     assert manager.group.token_offset == 1 and manager.is_draft
 
 
 def test_install_leaves_a_draft_with_an_unknown_feed_unchecked(caplog):
     args = spec_server_args("FROZEN_KV_MTP", overlap=False)
     with caplog.at_level(logging.WARNING, logger="sglang.srt.kv_canary"):
-        assert api.install_kv_canary(_draft_runner(), args, config=CanaryConfig(CanaryMode.RAISE)) is None
+        assert (
+            api.install_kv_canary(
+                _draft_runner(), args, config=CanaryConfig(CanaryMode.RAISE)
+            )
+            is None
+        )
     [message] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert message.startswith("KV canary off for draft: its worker (FrozenKVMTPWorker) has a draft extend")
+    assert message.startswith(
+        "KV canary off for draft: its worker (FrozenKVMTPWorker) has a draft extend"
+    )
     # the target runner of the same server is still checked
     target = SimpleNamespace(**{**vars(_draft_runner()), "is_draft_worker": False})
-    assert api.install_kv_canary(target, args, config=CanaryConfig(CanaryMode.RAISE)).group.token_offset == 0
+    assert (
+        api.install_kv_canary(
+            target, args, config=CanaryConfig(CanaryMode.RAISE)
+        ).group.token_offset
+        == 0
+    )

@@ -9,7 +9,6 @@ import re
 from types import SimpleNamespace
 
 import pytest
-
 from sglang.srt.arg_groups import speculative_hook as hook
 from specpatch import synth
 
@@ -37,7 +36,9 @@ def server_args(target, **flags):
     from sglang.srt.server_args import ServerArgs
 
     flags.setdefault("attention_backend", "triton")
-    return ServerArgs(model_path=str(target), skip_tokenizer_init=True, device="cuda", **flags)
+    return ServerArgs(
+        model_path=str(target), skip_tokenizer_init=True, device="cuda", **flags
+    )
 
 
 def ignored_warnings(caplog) -> list[str]:
@@ -68,10 +69,16 @@ def test_eagle_family_without_a_draft_path_is_refused(pair, algorithm):
         ("Qwen3ForCausalLM", None),
     ],
 )
-def test_builtin_draft_is_what_upstreams_draft_config_step_makes_of_the_target(architecture, draft_architecture):
-    hf_config = SimpleNamespace(architectures=[architecture], num_nextn_predict_layers=1)
+def test_builtin_draft_is_what_upstreams_draft_config_step_makes_of_the_target(
+    architecture, draft_architecture
+):
+    hf_config = SimpleNamespace(
+        architectures=[architecture], num_nextn_predict_layers=1
+    )
     assert hook.builtin_draft_architecture(hf_config) == draft_architecture
-    assert hf_config.architectures == [architecture]  # the target's own config is left alone
+    assert hf_config.architectures == [
+        architecture
+    ]  # the target's own config is left alone
 
 
 def test_a_target_with_draft_layers_needs_no_draft_path():
@@ -81,26 +88,39 @@ def test_a_target_with_draft_layers_needs_no_draft_path():
         speculative_algorithm="EAGLE",
         get_model_config=lambda: SimpleNamespace(hf_config=hf_config),
     )
-    hook.check_draft_model_given(args)  # no ValueError: the draft is the target's MTP layers
+    hook.check_draft_model_given(
+        args
+    )  # no ValueError: the draft is the target's MTP layers
 
 
 # ----------------------------------------------------------------------------- the draft path
 
 
-@pytest.mark.parametrize("path", ["/no/such/draft", "./no-such-draft", "no such draft", "a/b/c", "org/name--x"])
+@pytest.mark.parametrize(
+    "path",
+    ["/no/such/draft", "./no-such-draft", "no such draft", "a/b/c", "org/name--x"],
+)
 @pytest.mark.parametrize("algorithm", ["EAGLE", None])
-def test_a_draft_path_that_is_neither_local_nor_a_repo_id_is_refused(pair, path, algorithm):
+def test_a_draft_path_that_is_neither_local_nor_a_repo_id_is_refused(
+    pair, path, algorithm
+):
     target, _ = pair
     with pytest.raises(
         ValueError,
-        match=re.escape(f"--speculative-draft-model-path '{path}' does not exist locally and is not a Hugging Face repo id"),
+        match=re.escape(
+            f"--speculative-draft-model-path '{path}' does not exist locally and is not a Hugging Face repo id"
+        ),
     ):
-        server_args(target, speculative_algorithm=algorithm, speculative_draft_model_path=path)
+        server_args(
+            target, speculative_algorithm=algorithm, speculative_draft_model_path=path
+        )
 
 
 @pytest.mark.parametrize("path", ["org/name", "name", "org/name-v1.5"])
 def test_a_repo_id_that_is_not_local_is_left_for_the_server_to_download(path):
-    hook.check_draft_model_path(path)  # no ValueError; ServerArgs would now fetch its config
+    hook.check_draft_model_path(
+        path
+    )  # no ValueError; ServerArgs would now fetch its config
 
 
 def test_a_local_draft_path_is_accepted(pair, tmp_path):
@@ -116,7 +136,10 @@ def test_shape_flags_without_an_algorithm_are_named_in_one_warning(pair, caplog)
     target, _ = pair
     with caplog.at_level(logging.WARNING):
         args = server_args(
-            target, speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8
+            target,
+            speculative_eagle_topk=4,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=8,
         )
     assert ignored_warnings(caplog) == [
         "No --speculative-algorithm is given, so speculative decoding is off and these flags are ignored: "
@@ -144,8 +167,12 @@ def test_no_speculative_flag_no_warning(pair, caplog):
 def test_an_algorithm_silences_the_warning(pair, caplog):
     target, draft = pair
     with caplog.at_level(logging.WARNING):
-        server_args(target, speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft),
-                    speculative_eagle_topk=4)
+        server_args(
+            target,
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=str(draft),
+            speculative_eagle_topk=4,
+        )
     assert ignored_warnings(caplog) == []
 
 
@@ -158,7 +185,11 @@ def test_every_warned_field_is_a_real_flag():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     options = {option for action in parser._actions for option in action.option_strings}
-    fields = [f.name for f in dataclasses.fields(ServerArgs) if f.name.startswith("speculative_")]
+    fields = [
+        f.name
+        for f in dataclasses.fields(ServerArgs)
+        if f.name.startswith("speculative_")
+    ]
     warned = [f for f in fields if f not in hook._SPECULATIVE_FIELDS_NOT_WARNED]
     assert len(warned) > 20
     assert [f for f in warned if "--" + f.replace("_", "-") not in options] == []

@@ -91,7 +91,9 @@ _RECURRENT_CONFIG_CLASSES = frozenset(
         "Qwen3_5MoeConfig",
     }
 )
-_RECURRENT_LAYER_TYPES = frozenset({"mamba", "mamba2", "linear_attention", "linear_attn", "gdn"})
+_RECURRENT_LAYER_TYPES = frozenset(
+    {"mamba", "mamba2", "linear_attention", "linear_attn", "gdn"}
+)
 
 
 # sgl_kernel's build_tree_kernel_efficient launches one thread per draft token in one block.
@@ -154,7 +156,10 @@ def ignored_speculative_flags(server_args: ServerArgs) -> list[str]:
     """The --speculative-* flags set away from their defaults, as `--flag value`."""
     given = []
     for field in dataclasses.fields(type(server_args)):
-        if not field.name.startswith("speculative_") or field.name in _SPECULATIVE_FIELDS_NOT_WARNED:
+        if (
+            not field.name.startswith("speculative_")
+            or field.name in _SPECULATIVE_FIELDS_NOT_WARNED
+        ):
             continue
         value = getattr(server_args, field.name)
         if field.default is not dataclasses.MISSING and value != field.default:
@@ -188,7 +193,9 @@ def builtin_draft_architecture(hf_config) -> Optional[str]:
     target_architecture = hf_config.architectures[0]
     draft_config = copy.copy(hf_config)
     draft_config.architectures = list(hf_config.architectures)
-    ModelConfig._config_draft_model(SimpleNamespace(is_draft_model=True, hf_config=draft_config))
+    ModelConfig._config_draft_model(
+        SimpleNamespace(is_draft_model=True, hf_config=draft_config)
+    )
     draft_architecture = draft_config.architectures[0]
     return None if draft_architecture == target_architecture else draft_architecture
 
@@ -236,10 +243,14 @@ def check_chain_shape(num_steps: int, num_draft_tokens: int) -> None:
             f"--speculative-num-draft-tokens == --speculative-num-steps + 1 ({num_steps + 1}); "
             f"got --speculative-num-draft-tokens {num_draft_tokens}"
         )
-    check_draft_token_cap(num_draft_tokens, f" (a chain of --speculative-num-steps {num_steps})")
+    check_draft_token_cap(
+        num_draft_tokens, f" (a chain of --speculative-num-steps {num_steps})"
+    )
 
 
-def resolve_chain_num_draft_tokens(num_steps: int, num_draft_tokens: Optional[int]) -> int:
+def resolve_chain_num_draft_tokens(
+    num_steps: int, num_draft_tokens: Optional[int]
+) -> int:
     """num_draft_tokens for topk == 1: derived when unset, refused when inconsistent."""
     if num_draft_tokens is None:
         num_draft_tokens = num_steps + 1
@@ -256,7 +267,9 @@ def max_tree_draft_tokens(topk: int, num_steps: int) -> int:
     return 1 + topk + (num_steps - 1) * topk * topk
 
 
-def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: Optional[int]) -> None:
+def check_tree_shape(
+    topk: int, num_steps: int, num_draft_tokens: Optional[int]
+) -> None:
     """topk > 1 drafts a tree of num_draft_tokens nodes (root included)."""
     check_at_least_one(STEPS_FLAG, num_steps)
     if num_draft_tokens is None:
@@ -265,7 +278,9 @@ def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: Optional[int])
             f"(tree nodes including the root, 2..{max_tree_draft_tokens(topk, num_steps)})"
         )
     if num_draft_tokens < 2:
-        raise ValueError(f"--speculative-num-draft-tokens must be >= 2 for a tree, got {num_draft_tokens}")
+        raise ValueError(
+            f"--speculative-num-draft-tokens must be >= 2 for a tree, got {num_draft_tokens}"
+        )
     check_draft_token_cap(num_draft_tokens)
     limit = max_tree_draft_tokens(topk, num_steps)
     if num_draft_tokens > limit:
@@ -300,7 +315,11 @@ class DraftShape(NamedTuple):
 
 
 def _default_tree_draft_tokens(topk: int, num_steps: int) -> int:
-    return min(max(2 * topk, num_steps + 1), max_tree_draft_tokens(topk, num_steps), MAX_DRAFT_TOKENS)
+    return min(
+        max(2 * topk, num_steps + 1),
+        max_tree_draft_tokens(topk, num_steps),
+        MAX_DRAFT_TOKENS,
+    )
 
 
 def _min_tree_steps(topk: int, num_draft_tokens: int) -> int:
@@ -310,10 +329,16 @@ def _min_tree_steps(topk: int, num_draft_tokens: int) -> int:
     return 1 + -(-(num_draft_tokens - 1 - topk) // (topk * topk))
 
 
-def _derive(topk: Optional[int], num_steps: Optional[int], num_draft_tokens: Optional[int]) -> tuple[int, int, int]:
+def _derive(
+    topk: Optional[int], num_steps: Optional[int], num_draft_tokens: Optional[int]
+) -> tuple[int, int, int]:
     if topk is None:
         if num_steps is None:
-            chain = f"1 for a chain of {num_draft_tokens - 1} steps, or " if num_draft_tokens >= 2 else ""
+            chain = (
+                f"1 for a chain of {num_draft_tokens - 1} steps, or "
+                if num_draft_tokens >= 2
+                else ""
+            )
             raise ValueError(
                 f"{DRAFT_TOKENS_FLAG} {num_draft_tokens} alone does not give the draft's shape: "
                 f"set {TOPK_FLAG} ({chain}> 1 for a tree)"
@@ -329,14 +354,18 @@ def _derive(topk: Optional[int], num_steps: Optional[int], num_draft_tokens: Opt
             num_steps = DEFAULT_TREE_STEPS
         elif topk == 1:
             if num_draft_tokens < 2:
-                raise ValueError(f"{DRAFT_TOKENS_FLAG} must be >= 2 for a chain (steps + 1), got {num_draft_tokens}")
+                raise ValueError(
+                    f"{DRAFT_TOKENS_FLAG} must be >= 2 for a chain (steps + 1), got {num_draft_tokens}"
+                )
             num_steps = num_draft_tokens - 1
         elif num_draft_tokens <= max_tree_draft_tokens(topk, DEFAULT_TREE_STEPS):
             num_steps = DEFAULT_TREE_STEPS
         else:
             num_steps = _min_tree_steps(topk, num_draft_tokens)
     if num_draft_tokens is None:
-        num_draft_tokens = num_steps + 1 if topk == 1 else _default_tree_draft_tokens(topk, num_steps)
+        num_draft_tokens = (
+            num_steps + 1 if topk == 1 else _default_tree_draft_tokens(topk, num_steps)
+        )
     return topk, num_steps, num_draft_tokens
 
 
@@ -360,11 +389,17 @@ def complete_shape(
     - tokens alone, or steps and tokens other than steps + 1: a ValueError (the width is unknown).
     Values < 1 and shapes the draft worker cannot run are ValueErrors naming the flag.
     """
-    given = {TOPK_FLAG: topk, STEPS_FLAG: num_steps, DRAFT_TOKENS_FLAG: num_draft_tokens}
+    given = {
+        TOPK_FLAG: topk,
+        STEPS_FLAG: num_steps,
+        DRAFT_TOKENS_FLAG: num_draft_tokens,
+    }
     if all(value is None for value in given.values()):
         num_steps, topk, num_draft_tokens = auto()
         check_shape(topk, num_steps, num_draft_tokens)
-        return DraftShape(topk, num_steps, num_draft_tokens, derived=(), auto_chosen=True)
+        return DraftShape(
+            topk, num_steps, num_draft_tokens, derived=(), auto_chosen=True
+        )
     for flag, value in given.items():
         if value is not None:
             check_at_least_one(flag, value)
@@ -374,7 +409,9 @@ def complete_shape(
     return DraftShape(*shape, derived=derived, auto_chosen=False)
 
 
-def complete_eagle_shape(server_args: ServerArgs, auto_choose: Callable[[ServerArgs], tuple[int, int, int]]) -> None:
+def complete_eagle_shape(
+    server_args: ServerArgs, auto_choose: Callable[[ServerArgs], tuple[int, int, int]]
+) -> None:
     """Fill unset --speculative-eagle-topk / -num-steps / -num-draft-tokens (see complete_shape).
 
     auto_choose is upstream's auto_choose_speculative_params, called only when none is set.
@@ -389,11 +426,18 @@ def complete_eagle_shape(server_args: ServerArgs, auto_choose: Callable[[ServerA
     server_args.speculative_num_steps = shape.num_steps
     server_args.speculative_num_draft_tokens = shape.num_draft_tokens
     if shape.derived:
-        values = ((TOPK_FLAG, shape.topk), (STEPS_FLAG, shape.num_steps), (DRAFT_TOKENS_FLAG, shape.num_draft_tokens))
+        values = (
+            (TOPK_FLAG, shape.topk),
+            (STEPS_FLAG, shape.num_steps),
+            (DRAFT_TOKENS_FLAG, shape.num_draft_tokens),
+        )
         logger.warning(
             "%s draft shape completed: %s",
             server_args.speculative_algorithm,
-            " ".join(f"{flag} {value}" + (" (derived)" if flag in shape.derived else "") for flag, value in values),
+            " ".join(
+                f"{flag} {value}" + (" (derived)" if flag in shape.derived else "")
+                for flag, value in values
+            ),
         )
 
 
@@ -402,14 +446,20 @@ def complete_eagle_shape(server_args: ServerArgs, auto_choose: Callable[[ServerA
 
 def recurrent_layer_reason(hf_config) -> Optional[str]:
     """Why the target keeps recurrent state (mamba / linear attention), or None."""
-    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text_config = (
+        hf_config.get_text_config()
+        if hasattr(hf_config, "get_text_config")
+        else hf_config
+    )
     for config in (hf_config, text_config):
         name = type(config).__name__
         if name in _RECURRENT_CONFIG_CLASSES:
             return f"the target ({name}) has mamba / linear-attention layers"
         for field in ("layer_types", "layers_block_type"):
             layer_types = getattr(config, field, None) or ()
-            found = sorted({str(t).lower() for t in layer_types} & _RECURRENT_LAYER_TYPES)
+            found = sorted(
+                {str(t).lower() for t in layer_types} & _RECURRENT_LAYER_TYPES
+            )
             if found:
                 return f"the target has {'/'.join(found)} layers ({field})"
     return None
@@ -445,19 +495,31 @@ def choose_spec_version(
     if page_size != 1:
         return SpecVersion(False, prefix + f"--page-size 1, got {page_size}")
     if recurrent_reason is not None:
-        return SpecVersion(False, prefix + f"a target without recurrent state; {recurrent_reason}")
+        return SpecVersion(
+            False, prefix + f"a target without recurrent state; {recurrent_reason}"
+        )
     if multi_layer:
-        return SpecVersion(False, prefix + "the single-layer draft worker; multi-layer EAGLE drafts chains")
+        return SpecVersion(
+            False,
+            prefix + "the single-layer draft worker; multi-layer EAGLE drafts chains",
+        )
     attention_backends = set(attention_backends)
     unsupported = sorted(attention_backends - SPEC_V2_TREE_ATTENTION_BACKENDS)
     if unsupported:
-        why = [SPEC_V1_FASTER_TREE_BACKENDS[b] for b in unsupported if b in SPEC_V1_FASTER_TREE_BACKENDS]
+        why = [
+            SPEC_V1_FASTER_TREE_BACKENDS[b]
+            for b in unsupported
+            if b in SPEC_V1_FASTER_TREE_BACKENDS
+        ]
         return SpecVersion(
             False,
-            prefix + f"an attention backend in {sorted(SPEC_V2_TREE_ATTENTION_BACKENDS)}, "
+            prefix
+            + f"an attention backend in {sorted(SPEC_V2_TREE_ATTENTION_BACKENDS)}, "
             f"got {', '.join(unsupported)}" + "".join(f" ({w})" for w in why),
         )
-    on_mla = sorted(attention_backends & MLA_TREE_V1_BACKENDS.keys()) if mla_target else []
+    on_mla = (
+        sorted(attention_backends & MLA_TREE_V1_BACKENDS.keys()) if mla_target else []
+    )
     if on_mla:
         return SpecVersion(
             False,
@@ -483,7 +545,9 @@ def _attention_backends(server_args: ServerArgs) -> set[str]:
     }
 
 
-def handle_eagle_family(server_args: ServerArgs, hf_config, spec_v2_env_enabled: bool) -> None:
+def handle_eagle_family(
+    server_args: ServerArgs, hf_config, spec_v2_env_enabled: bool
+) -> None:
     """Validate the draft shape and pick spec v1/v2 (sets disable_overlap_schedule).
 
     Called after speculative_num_steps / topk / num_draft_tokens are resolved (complete_eagle_shape).

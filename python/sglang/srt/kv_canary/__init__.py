@@ -38,8 +38,16 @@ from sglang.srt.kv_canary.manager import (
     CanaryManager,
     flush_deferred_findings,
 )
-from sglang.srt.kv_canary.report import KVCanaryViolationError, Violation, kv_canary_stats
-from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord, move_fingerprints
+from sglang.srt.kv_canary.report import (
+    KVCanaryViolationError,
+    Violation,
+    kv_canary_stats,
+)
+from sglang.srt.kv_canary.tables import (
+    FingerprintGroup,
+    RequestRecord,
+    move_fingerprints,
+)
 
 __all__ = [
     "CanaryBracketError",

@@ -24,12 +24,19 @@ ENV_DEFERRED_DRAIN = "SGLANG_KV_CANARY_DEFERRED_DRAIN"
 class CanaryMode(enum.Enum):
     OFF = "off"
     LOG = "log"  # log each violation, count it, keep serving
-    RAISE = "raise"  # log, then raise KVCanaryViolationError out of the forward's bracket
+    RAISE = (
+        "raise"  # log, then raise KVCanaryViolationError out of the forward's bracket
+    )
 
 
 # Every spelling --kv-canary and SGLANG_KV_CANARY accept (lower case; the input is lowered).
 # "none" is newer upstream sglang's name for off.
-MODE_SPELLINGS = {"off": CanaryMode.OFF, "none": CanaryMode.OFF, "log": CanaryMode.LOG, "raise": CanaryMode.RAISE}
+MODE_SPELLINGS = {
+    "off": CanaryMode.OFF,
+    "none": CanaryMode.OFF,
+    "log": CanaryMode.LOG,
+    "raise": CanaryMode.RAISE,
+}
 
 # The flags whose explicit values parse_canary_config takes, named in its errors.
 MODE_FLAG = "--kv-canary"
@@ -78,13 +85,26 @@ def parse_canary_config(
     if sample_every is not None and sample_fraction is not None:
         raise ValueError("give sample_every or sample_fraction, not both")
     every_source = SAMPLE_EVERY_FLAG if sample_every is not None else ENV_SAMPLE_EVERY
-    raw_every = sample_every if sample_every is not None else env.get(ENV_SAMPLE_EVERY, "1")
+    raw_every = (
+        sample_every if sample_every is not None else env.get(ENV_SAMPLE_EVERY, "1")
+    )
     every = _parse_sample_every(raw_every, every_source)
     fraction = None if sample_fraction is None else _parse_fraction(sample_fraction)
-    deferred_source = "deferred_drain" if deferred_drain is not None else ENV_DEFERRED_DRAIN
-    raw_deferred = deferred_drain if deferred_drain is not None else env.get(ENV_DEFERRED_DRAIN, "1")
+    deferred_source = (
+        "deferred_drain" if deferred_drain is not None else ENV_DEFERRED_DRAIN
+    )
+    raw_deferred = (
+        deferred_drain
+        if deferred_drain is not None
+        else env.get(ENV_DEFERRED_DRAIN, "1")
+    )
     deferred = _parse_bool(raw_deferred, deferred_source)
-    return CanaryConfig(mode=parsed_mode, sample_every=every, sample_fraction=fraction, deferred_drain=deferred)
+    return CanaryConfig(
+        mode=parsed_mode,
+        sample_every=every,
+        sample_fraction=fraction,
+        deferred_drain=deferred,
+    )
 
 
 def _parse_bool(raw: Union[bool, str], source: str) -> bool:
@@ -103,7 +123,9 @@ def _parse_mode(raw: Union[str, CanaryMode], source: str) -> CanaryMode:
         return raw
     text = str(raw).strip().lower() or "off"
     if text not in MODE_SPELLINGS:
-        raise ValueError(f"{source}={raw!r}: expected one of {'|'.join(MODE_SPELLINGS)}")
+        raise ValueError(
+            f"{source}={raw!r}: expected one of {'|'.join(MODE_SPELLINGS)}"
+        )
     return MODE_SPELLINGS[text]
 
 
@@ -123,7 +145,9 @@ def _parse_fraction(raw: Union[float, str]) -> float:
     try:
         value = float(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"sample_fraction={raw!r}: expected a number in (0, 1]") from None
+        raise ValueError(
+            f"sample_fraction={raw!r}: expected a number in (0, 1]"
+        ) from None
     if not 0.0 < value <= 1.0:
         raise ValueError(f"sample_fraction={raw!r}: expected a number in (0, 1]")
     return value
