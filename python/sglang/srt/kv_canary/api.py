@@ -119,9 +119,8 @@ def install_kv_canary(
     _canary_of_pool[pool] = manager
     allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
     if allocator is not None and allocator not in _canary_of_allocator:
-        _canary_of_allocator[allocator] = (
-            manager  # any manager: frees poison every group
-        )
+        # Any manager will do: a free poisons the slots in every group.
+        _canary_of_allocator[allocator] = manager
     logger.info(
         f"KV canary on for {name}: mode={config.mode.value} identity={identity} "
         f"token_offset={token_offset} single_forwards={num_single_forwards} "

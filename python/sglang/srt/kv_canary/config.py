@@ -23,10 +23,10 @@ ENV_DEFERRED_DRAIN = "SGLANG_KV_CANARY_DEFERRED_DRAIN"
 
 class CanaryMode(enum.Enum):
     OFF = "off"
-    LOG = "log"  # log each violation, count it, keep serving
-    RAISE = (
-        "raise"  # log, then raise KVCanaryViolationError out of the forward's bracket
-    )
+    # log each violation, count it, keep serving
+    LOG = "log"
+    # log, then raise KVCanaryViolationError out of the forward's bracket
+    RAISE = "raise"
 
 
 # Every spelling --kv-canary and SGLANG_KV_CANARY accept (lower case; the input is lowered).
