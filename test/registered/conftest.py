@@ -1,5 +1,6 @@
 """Shared test setup: make `specpatch` importable, load the CUDA driver stub on CPU machines,
-skip `gpu` tests without CUDA, and write a JSON summary (`--summary-json`) for the GPU tier."""
+skip `gpu` tests without CUDA, and write a JSON summary (`--summary-json`) for the GPU tier.
+"""
 
 from __future__ import annotations
 
@@ -36,13 +37,17 @@ def _cuda_available() -> bool:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--summary-json", default=None, help="write a JSON summary of the run here")
+    parser.addoption(
+        "--summary-json", default=None, help="write a JSON summary of the run here"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run the GPU tier on the GPU host: tools/gpu-tests.sh)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU (run the GPU tier on the GPU host: tools/gpu-tests.sh)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -63,15 +68,21 @@ _results: list[dict] = []
 
 def pytest_runtest_logreport(report):
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        _results.append({
-            "test": report.nodeid,
-            "outcome": report.outcome,
-            "seconds": round(report.duration, 2),
-            "metrics": dict(report.user_properties),
-            **({"skip_reason": report.longrepr[2]} if report.skipped and isinstance(report.longrepr, tuple) else {}),
-            # The GPU host's output comes back cut to its tail: keep why a test failed here.
-            **({"failure": report.longreprtext[-3000:]} if report.failed else {}),
-        })
+        _results.append(
+            {
+                "test": report.nodeid,
+                "outcome": report.outcome,
+                "seconds": round(report.duration, 2),
+                "metrics": dict(report.user_properties),
+                **(
+                    {"skip_reason": report.longrepr[2]}
+                    if report.skipped and isinstance(report.longrepr, tuple)
+                    else {}
+                ),
+                # The GPU host's output comes back cut to its tail: keep why a test failed here.
+                **({"failure": report.longreprtext[-3000:]} if report.failed else {}),
+            }
+        )
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -109,6 +120,21 @@ def _pair(tmp_path_factory, preset: str, agreement: float) -> tuple[Path, Path]:
 def toy_pair(tmp_path_factory):
     """1-layer toy target + EAGLE draft agreeing on ~70% of tokens."""
     return _pair(tmp_path_factory, "toy", 0.7)
+
+
+@pytest.fixture(scope="session")
+def standalone_pair(tmp_path_factory):
+    """The toy Llama target + a STANDALONE draft, an ordinary Llama LM agreeing with it on ~70%
+    of tokens (specpatch.synth_standalone)."""
+    from specpatch import synth, synth_standalone
+
+    cache = os.environ.get("SPECPATCH_MODEL_CACHE")
+    out = (
+        Path(cache) if cache else tmp_path_factory.mktemp("models")
+    ) / "standalone-toy-a0.7"
+    if not (out / "draft" / synth.META).exists():
+        synth_standalone.make_standalone_pair(out, "toy", 0.7, device="cuda")
+    return out / "target", out / "draft"
 
 
 @pytest.fixture(scope="session")

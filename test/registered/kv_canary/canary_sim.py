@@ -22,7 +22,6 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
-
 from sglang.srt.kv_canary import api
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 
@@ -93,7 +92,30 @@ class Req:
     owned: list = field(default_factory=list)  # slots this request allocated
 
 
+def spec_server_args(
+    algorithm: Optional[str],
+    *,
+    num_steps: int = 3,
+    radix: bool = False,
+    overlap: bool = True,
+    multi_layer: bool = False,
+) -> SimpleNamespace:
+    """What install_kv_canary reads from ServerArgs, including what SpeculativeAlgorithm.create_worker
+    reads to pick the worker class whose draft extend sets the draft's token offset."""
+    return SimpleNamespace(
+        speculative_algorithm=algorithm,
+        speculative_num_steps=num_steps if algorithm else None,
+        disable_radix_cache=not radix,
+        disable_overlap_schedule=not overlap,
+        enable_multi_layer_eagle=multi_layer,
+    )
+
+
 class SimEngine:
+    """`algorithm` is what install_kv_canary is told; the draft extends below are always built
+    the way sglang's EAGLE, EAGLE3 and STANDALONE workers build them (ids rotated by one).
+    """
+
     def __init__(
         self,
         *,
@@ -101,6 +123,7 @@ class SimEngine:
         context: int = 96,
         slots: int = 2048,
         eagle: bool = True,
+        algorithm: str = "EAGLE",
         num_steps: int = 3,
         topk: int = 1,
         num_draft_tokens: Optional[int] = None,
@@ -117,7 +140,9 @@ class SimEngine:
         self.eagle = eagle
         self.num_steps = num_steps
         self.topk = topk
-        self.num_draft_tokens = num_draft_tokens or (num_steps + 1 if topk == 1 else num_steps * topk)
+        self.num_draft_tokens = num_draft_tokens or (
+            num_steps + 1 if topk == 1 else num_steps * topk
+        )
         self.req_to_token_pool = FakeReqToTokenPool(rows, context, self.device)
         self.allocator = FakeAllocator(slots)
         self.free_rows = list(range(1, rows))  # row 0 takes padded rows
@@ -130,12 +155,20 @@ class SimEngine:
         self._slots_seen: set[int] = set()
 
         config = CanaryConfig(mode=mode, sample_every=sample_every)
-        server_args = SimpleNamespace(speculative_num_steps=num_steps, disable_radix_cache=not radix)
+        server_args = spec_server_args(
+            algorithm if eagle else None, num_steps=num_steps, radix=radix
+        )
         self.target_pool = FakePool(slots + 1)
-        self.target = api.install_kv_canary(self._runner(self.target_pool, False), server_args, config=config)
+        self.target = api.install_kv_canary(
+            self._runner(self.target_pool, False), server_args, config=config
+        )
         self.draft_pool = FakePool(slots + 1) if eagle else None
         self.draft = (
-            api.install_kv_canary(self._runner(self.draft_pool, True), server_args, config=config) if eagle else None
+            api.install_kv_canary(
+                self._runner(self.draft_pool, True), server_args, config=config
+            )
+            if eagle
+            else None
         )
 
     def _runner(self, pool, is_draft: bool):
@@ -181,7 +214,9 @@ class SimEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def admit(self, prompt_len: int, borrow_from: Optional[Req] = None, borrow_len: int = 0) -> Req:
+    def admit(
+        self, prompt_len: int, borrow_from: Optional[Req] = None, borrow_len: int = 0
+    ) -> Req:
         rid = f"req-{self._next_rid}"
         self._next_rid += 1
         row = self.free_rows.pop(0)
@@ -240,7 +275,9 @@ class SimEngine:
     def run_draft_steps(self, staged: Batch, step_batches: list[Batch]) -> None:
         """All inner draft steps: one host bracket, one single forward per step (eager here;
         a CUDA-graph replay of all steps in the real worker and in the GPU tests)."""
-        with api.outside_graph(self.draft, staged, indices=range(max(len(step_batches), 1))):
+        with api.outside_graph(
+            self.draft, staged, indices=range(max(len(step_batches), 1))
+        ):
             for i, step in enumerate(step_batches):
                 with api.active_step(self.draft, i):
                     api.pre_ops(self.draft, step)
@@ -268,7 +305,12 @@ class SimEngine:
         )
 
     def spec_round(self, reqs: list[Req]) -> None:
-        bs, topk, steps, ndt = len(reqs), self.topk, self.num_steps, self.num_draft_tokens
+        bs, topk, steps, ndt = (
+            len(reqs),
+            self.topk,
+            self.num_steps,
+            self.num_draft_tokens,
+        )
         for req in reqs:
             self._ensure_slots(req, req.kv_len + max(topk * steps, ndt))
         seq_lens = [r.kv_len for r in reqs]
@@ -293,7 +335,11 @@ class SimEngine:
                 positions=self._t([L + i for L in seq_lens for _ in range(topk)]),
                 input_ids=self._t([self._token() for _ in range(bs * topk)]),
                 out_cache_loc=self._t(
-                    [int(self.r2t[r.row, r.kv_len + k * steps + i]) for r in reqs for k in range(topk)]
+                    [
+                        int(self.r2t[r.row, r.kv_len + k * steps + i])
+                        for r in reqs
+                        for k in range(topk)
+                    ]
                 ),
                 token_to_kv_pool=self.draft_pool,
             )
@@ -303,14 +349,18 @@ class SimEngine:
 
         # Target verify over a chain or a tree of ndt nodes (node 0 is the bonus token).
         depths, parents = self._tree_shape(ndt)
-        node_tokens = [[r.tokens[r.kv_len]] + [self._token() for _ in range(ndt - 1)] for r in reqs]
+        node_tokens = [
+            [r.tokens[r.kv_len]] + [self._token() for _ in range(ndt - 1)] for r in reqs
+        ]
         verify = Batch(
             forward_mode=Mode.TARGET_VERIFY,
             batch_size=bs,
             req_pool_indices=rows,
             positions=self._t([L + d for L in seq_lens for d in depths]),
             input_ids=self._t([t for toks in node_tokens for t in toks]),
-            out_cache_loc=self._t([s for r in reqs for s in self.slots_of(r, r.kv_len, r.kv_len + ndt)]),
+            out_cache_loc=self._t(
+                [s for r in reqs for s in self.slots_of(r, r.kv_len, r.kv_len + ndt)]
+            ),
             token_to_kv_pool=self.target_pool,
             rids=[r.rid for r in reqs],
         )
@@ -331,7 +381,9 @@ class SimEngine:
             req.tokens[L:] = accepted + [new_bonus]
             req.kv_len = L + len(path)
             shifted = accepted[1:] + [new_bonus]
-            next_ids.append(shifted + [self._token() for _ in range(ndt - len(shifted))])
+            next_ids.append(
+                shifted + [self._token() for _ in range(ndt - len(shifted))]
+            )
 
         # Draft extend v2 over the whole (now chain-shaped) block of every request.
         extend = Batch(
@@ -340,7 +392,13 @@ class SimEngine:
             req_pool_indices=rows,
             positions=self._t([L + j for L in seq_lens for j in range(ndt)]),
             input_ids=self._t([t for ids in next_ids for t in ids]),
-            out_cache_loc=self._t([s for L, r in zip(seq_lens, reqs) for s in self.slots_of(r, L, L + ndt)]),
+            out_cache_loc=self._t(
+                [
+                    s
+                    for L, r in zip(seq_lens, reqs)
+                    for s in self.slots_of(r, L, L + ndt)
+                ]
+            ),
             token_to_kv_pool=self.draft_pool,
             extend_seq_lens=self._t([ndt] * bs, torch.int32),
             rids=[r.rid for r in reqs],
@@ -389,12 +447,24 @@ class SimEngine:
         for _ in range(rounds):
             live = list(self.reqs.values())
             if len(live) < max_live and self.free_rows and self.rng.random() < 0.5:
-                donor = self.rng.choice(live) if live and self.rng.random() < 0.5 else None
-                borrow = self.rng.randrange(1, donor.kv_len) if donor is not None and donor.kv_len > 1 else 0
+                donor = (
+                    self.rng.choice(live) if live and self.rng.random() < 0.5 else None
+                )
+                borrow = (
+                    self.rng.randrange(1, donor.kv_len)
+                    if donor is not None and donor.kv_len > 1
+                    else 0
+                )
                 low = max(borrow + 1, 3)
-                self.admit(self.rng.randrange(low, max(low + 1, 24)), donor if borrow else None, borrow)
+                self.admit(
+                    self.rng.randrange(low, max(low + 1, 24)),
+                    donor if borrow else None,
+                    borrow,
+                )
                 continue
-            room = self.r2t.shape[1] - 2 * (self.num_draft_tokens + self.num_steps * self.topk)
+            room = self.r2t.shape[1] - 2 * (
+                self.num_draft_tokens + self.num_steps * self.topk
+            )
             done = [r for r in live if r.kv_len >= room or self.rng.random() < 0.08]
             for req in done:
                 self.finish(req)
@@ -415,7 +485,9 @@ def draft_step_batch(engine: "SimEngine", step: int) -> Batch:
         req_pool_indices=torch.tensor([r.row for r in reqs]),
         positions=torch.tensor([r.kv_len + step for r in reqs]),
         input_ids=torch.tensor([5] * len(reqs)),
-        out_cache_loc=torch.tensor([int(engine.r2t[r.row, r.kv_len + step]) for r in reqs]),
+        out_cache_loc=torch.tensor(
+            [int(engine.r2t[r.row, r.kv_len + step]) for r in reqs]
+        ),
         token_to_kv_pool=engine.draft_pool,
         rids=[r.rid for r in reqs],
     )

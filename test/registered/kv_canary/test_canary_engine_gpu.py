@@ -1,4 +1,6 @@
-"""The KV canary inside a running server: EAGLE spec v2 (chain and tree) on the synthetic pair.
+"""The KV canary inside a running server: EAGLE spec v2 (chain and tree) on the synthetic pair,
+and STANDALONE and EAGLE3 drafts, whose draft-pool token offset comes from their worker's
+draft extend (kv_canary/draft_feed.py).
 
 The scheduler runs in a child process, so the tests read its log (captured at the file
 descriptor level) and set the canary's environment before the Engine starts.
@@ -11,7 +13,6 @@ import re
 from contextlib import contextmanager
 
 import pytest
-
 from specpatch import engine as eng
 from specpatch import synth
 
@@ -32,9 +33,12 @@ def canary_env(**values):
 
 
 @pytest.mark.parametrize("deferred", ["0", "1"], ids=["sync-drain", "deferred-drain"])
-@pytest.mark.parametrize("spec", [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)], ids=lambda s: s.label)
-def test_raise_mode_sees_no_violation_in_2000_requests_with_retraction(toy_pair, capfd, spec, deferred,
-                                                                       record_metric):
+@pytest.mark.parametrize(
+    "spec", [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)], ids=lambda s: s.label
+)
+def test_raise_mode_sees_no_violation_in_2000_requests_with_retraction(
+    toy_pair, capfd, spec, deferred, record_metric
+):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = eng.random_prompts(2000, vocab, seed=11, min_len=8, max_len=80)
@@ -42,35 +46,59 @@ def test_raise_mode_sees_no_violation_in_2000_requests_with_retraction(toy_pair,
     # A chain reserves so little KV per request that admission control alone avoids running out;
     # the scheduler's test switch retracts on purpose then.
     forced = {"SGLANG_TEST_RETRACT": "1"} if spec.topk == 1 else {}
-    with canary_env(SGLANG_KV_CANARY="raise", SGLANG_KV_CANARY_DEFERRED_DRAIN=deferred, **forced):
-        kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=64, max_total_tokens=6000,
-                                   log_level="info")
+    with canary_env(
+        SGLANG_KV_CANARY="raise", SGLANG_KV_CANARY_DEFERRED_DRAIN=deferred, **forced
+    ):
+        kwargs = eng.engine_kwargs(
+            target,
+            draft,
+            spec,
+            max_running_requests=64,
+            max_total_tokens=6000,
+            log_level="info",
+        )
         with eng.engine(**kwargs) as e:
             assert e.server_args.disable_overlap_schedule is False
             run = eng.generate(e, prompts, 48)
     text = "".join(capfd.readouterr())
     installed = text.count("KV canary on for")
-    retractions = text.count("KV cache pool is full. Retract requests.") + text.count("Testing retraction.")
+    retractions = text.count("KV cache pool is full. Retract requests.") + text.count(
+        "Testing retraction."
+    )
     record_metric("canary_installs", installed)
     record_metric("retraction_events", retractions)
     record_metric("violations", text.count(VIOLATION))
-    assert installed >= 2, "the canary was not installed on the target and draft runners"
+    assert (
+        installed >= 2
+    ), "the canary was not installed on the target and draft runners"
     assert retractions > 0, "no retraction happened"
-    assert VIOLATION not in text, [line for line in text.splitlines() if VIOLATION in line][:5]
+    assert VIOLATION not in text, [
+        line for line in text.splitlines() if VIOLATION in line
+    ][:5]
     assert run.output_ids == expected
 
 
 @pytest.mark.parametrize("deferred", ["0", "1"], ids=["sync-drain", "deferred-drain"])
-@pytest.mark.parametrize("fault", ["corrupt_slot", "misroute_req_to_token", "free_in_use"])
+@pytest.mark.parametrize(
+    "fault", ["corrupt_slot", "misroute_req_to_token", "free_in_use"]
+)
 @pytest.mark.parametrize("spec", [eng.SpecConfig(16, 3, 32)], ids=lambda s: s.label)
-def test_each_injected_fault_is_detected(toy_pair, capfd, fault, spec, deferred, record_metric):
+def test_each_injected_fault_is_detected(
+    toy_pair, capfd, fault, spec, deferred, record_metric
+):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = eng.random_prompts(16, vocab, seed=5, min_len=16, max_len=48)
-    with canary_env(SGLANG_KV_CANARY="log", SGLANG_KV_CANARY_FAULT=fault, SGLANG_KV_CANARY_FAULT_STEP=20,
-                    SGLANG_KV_CANARY_DEFERRED_DRAIN=deferred):
+    with canary_env(
+        SGLANG_KV_CANARY="log",
+        SGLANG_KV_CANARY_FAULT=fault,
+        SGLANG_KV_CANARY_FAULT_STEP=20,
+        SGLANG_KV_CANARY_DEFERRED_DRAIN=deferred,
+    ):
         # Eager: the fault path is the same, and the start-up is a fraction of a captured one.
-        with eng.engine(**eng.engine_kwargs(target, draft, spec, log_level="info", cuda_graph=False)) as e:
+        with eng.engine(
+            **eng.engine_kwargs(target, draft, spec, log_level="info", cuda_graph=False)
+        ) as e:
             eng.generate(e, prompts, 64)
     text = "".join(capfd.readouterr())
     lines = [line for line in text.splitlines() if VIOLATION in line]
@@ -87,14 +115,122 @@ def test_http_server_serves_canary_stats(toy_pair):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = eng.random_prompts(8, vocab, seed=2)
-    kwargs = eng.engine_kwargs(target, draft, eng.SpecConfig(16, 3, 32), kv_canary="log")
+    kwargs = eng.engine_kwargs(
+        target, draft, eng.SpecConfig(16, 3, 32), kv_canary="log"
+    )
     with eng.server(**kwargs) as base:
-        resp = requests.post(f"{base}/generate", json={
-            "input_ids": prompts,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True},
-        }, timeout=120)
+        resp = requests.post(
+            f"{base}/generate",
+            json={
+                "input_ids": prompts,
+                "sampling_params": {
+                    "temperature": 0,
+                    "max_new_tokens": 32,
+                    "ignore_eos": True,
+                },
+            },
+            timeout=120,
+        )
         resp.raise_for_status()
-        [stats] = requests.get(f"{base}/kv_canary_stats", timeout=10).json()["schedulers"]
+        [stats] = requests.get(f"{base}/kv_canary_stats", timeout=10).json()[
+            "schedulers"
+        ]
     assert stats["checks_total"] > 0 and stats["forwards_checked"] > 0
     assert stats["violations_total"] == 0
     assert set(stats["checks_by_group"]) >= {"target", "draft step 0"}
+
+
+# The pair each algorithm drafts with: an ordinary Llama LM for STANDALONE (the Llama target's
+# head rows moved, specpatch.synth_standalone), an EAGLE3 head on a dense Qwen3 target.
+PAIR_FIXTURES = {"STANDALONE": "standalone_pair", "EAGLE3": "qwen3_eagle3_pair"}
+DRAFT_OFFSET_1 = re.compile(
+    r"KV canary on for draft: mode=\w+ identity=\w+ token_offset=1 "
+)
+
+
+@pytest.mark.parametrize(
+    "spec", [eng.SpecConfig(1, 3, 4), eng.SpecConfig(4, 3, 8)], ids=lambda s: s.label
+)
+@pytest.mark.parametrize("algorithm", sorted(PAIR_FIXTURES))
+def test_raise_mode_sees_no_violation_in_600_requests_with_retraction_for_standalone_and_eagle3(
+    request, capfd, algorithm, spec, record_metric
+):
+    """Raise mode would stop the server at the first violation: a wrong draft offset (STANDALONE
+    used to get 0) reports every draft read of a healthy server."""
+    target, draft = request.getfixturevalue(PAIR_FIXTURES[algorithm])
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    prompts = eng.random_prompts(600, vocab, seed=13, min_len=8, max_len=80)
+    expected = synth.table_continuations(target, prompts, 48)
+    # Retract on purpose too: a small KV pool alone may not run out with a chain.
+    with canary_env(SGLANG_KV_CANARY="raise", SGLANG_TEST_RETRACT="1"):
+        kwargs = eng.engine_kwargs(
+            target,
+            draft,
+            spec,
+            speculative_algorithm=algorithm,
+            max_running_requests=64,
+            max_total_tokens=6000,
+            log_level="info",
+        )
+        with eng.engine(**kwargs) as e:
+            assert e.server_args.disable_overlap_schedule is False
+            run = eng.generate(e, prompts, 48)
+    text = "".join(capfd.readouterr())
+    retractions = text.count("KV cache pool is full. Retract requests.") + text.count(
+        "Testing retraction."
+    )
+    record_metric("retraction_events", retractions)
+    record_metric("violations", text.count(VIOLATION))
+    record_metric("accept_length", round(run.accept_length, 3))
+    assert (
+        "KV canary on for target" in text
+    ), "the canary was not installed on the target runner"
+    assert DRAFT_OFFSET_1.search(
+        text
+    ), "the draft runner's canary was not installed with token offset 1"
+    assert retractions > 0, "no retraction happened"
+    assert VIOLATION not in text, [
+        line for line in text.splitlines() if VIOLATION in line
+    ][:5]
+    assert run.output_ids == expected
+
+
+@pytest.mark.parametrize(
+    "fault", ["corrupt_slot", "misroute_req_to_token", "free_in_use"]
+)
+@pytest.mark.parametrize("algorithm", sorted(PAIR_FIXTURES))
+def test_each_injected_fault_is_detected_for_standalone_and_eagle3(
+    request, capfd, algorithm, fault, record_metric
+):
+    target, draft = request.getfixturevalue(PAIR_FIXTURES[algorithm])
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    prompts = eng.random_prompts(16, vocab, seed=5, min_len=16, max_len=48)
+    with canary_env(
+        SGLANG_KV_CANARY="log",
+        SGLANG_KV_CANARY_FAULT=fault,
+        SGLANG_KV_CANARY_FAULT_STEP=20,
+    ):
+        # Eager: the fault path is the same, and the start-up is a fraction of a captured one.
+        kwargs = eng.engine_kwargs(
+            target,
+            draft,
+            eng.SpecConfig(4, 3, 8),
+            speculative_algorithm=algorithm,
+            log_level="info",
+            cuda_graph=False,
+        )
+        with eng.engine(**kwargs) as e:
+            eng.generate(e, prompts, 64)
+    lines = "".join(capfd.readouterr()).splitlines()
+    injected = [i for i, line in enumerate(lines) if "KV canary fault injected" in line]
+    found = [i for i, line in enumerate(lines) if VIOLATION in line]
+    record_metric("violation_lines", len(found))
+    record_metric("first_violation", lines[found[0]][-300:] if found else None)
+    assert injected, "the fault was never injected"
+    assert found, f"fault {fault} was injected but not detected"
+    # Nothing before the fault: a healthy server's draft reads are clean.
+    assert found[0] > injected[0], lines[found[0]]
+    victim = re.search(r"row (\d+) pos (\d+) slot", lines[injected[0]])
+    assert any(
+        f"row={victim[1]} pos={victim[2]} " in lines[i] for i in found
+    ), "the victim was never reported"

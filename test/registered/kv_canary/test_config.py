@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 from sglang.srt.kv_canary import api
 from sglang.srt.kv_canary.config import (
     ENV_MODE,
@@ -20,12 +20,32 @@ from sglang.srt.kv_canary.config import (
 
 def test_default_is_off():
     config = parse_canary_config(env={})
-    assert config.mode is CanaryMode.OFF and not config.enabled and config.sample_every == 1
+    assert (
+        config.mode is CanaryMode.OFF
+        and not config.enabled
+        and config.sample_every == 1
+    )
 
 
-@pytest.mark.parametrize("raw,mode", [("off", CanaryMode.OFF), ("log", CanaryMode.LOG), (" RAISE ", CanaryMode.RAISE), ("", CanaryMode.OFF)])
+MODES = [
+    ("off", CanaryMode.OFF),
+    ("log", CanaryMode.LOG),
+    (" RAISE ", CanaryMode.RAISE),
+    ("", CanaryMode.OFF),
+    ("LOG", CanaryMode.LOG),
+    ("none", CanaryMode.OFF),  # newer upstream's spelling of off
+    ("None", CanaryMode.OFF),
+]
+
+
+@pytest.mark.parametrize("raw,mode", MODES)
 def test_mode_from_env(raw, mode):
     assert parse_canary_config(env={ENV_MODE: raw}).mode is mode
+
+
+@pytest.mark.parametrize("raw,mode", [m for m in MODES if m[0]])
+def test_explicit_mode_is_read_as_the_env_is(raw, mode):
+    assert parse_canary_config(raw, env={}).mode is mode
 
 
 def test_explicit_values_win_over_env():
@@ -35,24 +55,30 @@ def test_explicit_values_win_over_env():
     assert parse_canary_config(CanaryMode.LOG, env={}).mode is CanaryMode.LOG
 
 
-@pytest.mark.parametrize("env,name", [
-    ({ENV_MODE: "loud"}, ENV_MODE),
-    ({ENV_SAMPLE_EVERY: "0"}, ENV_SAMPLE_EVERY),
-    ({ENV_SAMPLE_EVERY: "-2"}, ENV_SAMPLE_EVERY),
-    ({ENV_SAMPLE_EVERY: "often"}, ENV_SAMPLE_EVERY),
-    ({ENV_SAMPLE_EVERY: "1.5"}, ENV_SAMPLE_EVERY),
-])
+@pytest.mark.parametrize(
+    "env,name",
+    [
+        ({ENV_MODE: "loud"}, ENV_MODE),
+        ({ENV_SAMPLE_EVERY: "0"}, ENV_SAMPLE_EVERY),
+        ({ENV_SAMPLE_EVERY: "-2"}, ENV_SAMPLE_EVERY),
+        ({ENV_SAMPLE_EVERY: "often"}, ENV_SAMPLE_EVERY),
+        ({ENV_SAMPLE_EVERY: "1.5"}, ENV_SAMPLE_EVERY),
+    ],
+)
 def test_bad_env_values_name_the_variable(env, name):
     with pytest.raises(ValueError, match=name):
         parse_canary_config(env=env)
 
 
-def test_bad_explicit_values_name_the_argument():
-    with pytest.raises(ValueError, match="mode="):
+def test_bad_explicit_values_name_the_flag():
+    with pytest.raises(
+        ValueError,
+        match=re.escape("--kv-canary='sometimes': expected one of off|none|log|raise"),
+    ):
         parse_canary_config("sometimes", env={})
-    with pytest.raises(ValueError, match="sample_every="):
+    with pytest.raises(ValueError, match="--kv-canary-sample-every=0"):
         parse_canary_config("log", 0, env={})
-    with pytest.raises(ValueError, match="sample_every="):
+    with pytest.raises(ValueError, match="--kv-canary-sample-every=True"):
         parse_canary_config("log", True, env={})
     with pytest.raises(ValueError, match="sample_fraction="):
         parse_canary_config("log", sample_fraction=1.5, env={})
@@ -67,11 +93,19 @@ def test_sample_every_checks_every_nth_forward():
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25, 0.1, 0.3])
 def test_sample_fraction_is_spread_evenly(fraction):
-    sampler = VerifySampler(parse_canary_config("log", sample_fraction=fraction, env={}))
+    sampler = VerifySampler(
+        parse_canary_config("log", sample_fraction=fraction, env={})
+    )
     picks = [sampler.tick() for _ in range(1000)]
     assert sum(picks) == round(1000 * fraction)
     # no two checks closer than floor(1 / f) - 1 forwards apart
-    gaps = [b - a for a, b in zip([i for i, p in enumerate(picks) if p], [i for i, p in enumerate(picks) if p][1:])]
+    gaps = [
+        b - a
+        for a, b in zip(
+            [i for i, p in enumerate(picks) if p],
+            [i for i, p in enumerate(picks) if p][1:],
+        )
+    ]
     assert min(gaps, default=int(1 / fraction)) >= int(1 / fraction)
 
 
@@ -108,47 +142,80 @@ class _Pool:
 
 
 def test_enabled_install_sizes_buffers_from_the_pools():
-    from canary_sim import FakePool, FakeReqToTokenPool
+    from canary_sim import FakePool, FakeReqToTokenPool, spec_server_args
 
     r2t_pool = FakeReqToTokenPool(rows=5, context=32, device=torch.device("cpu"))
-    target = SimpleNamespace(token_to_kv_pool=FakePool(100), req_to_token_pool=r2t_pool, is_draft_worker=False)
-    draft = SimpleNamespace(token_to_kv_pool=FakePool(100), req_to_token_pool=r2t_pool, is_draft_worker=True)
-    args = SimpleNamespace(speculative_num_steps=4, disable_radix_cache=True, speculative_algorithm="EAGLE")
+    target = SimpleNamespace(
+        token_to_kv_pool=FakePool(100),
+        req_to_token_pool=r2t_pool,
+        is_draft_worker=False,
+    )
+    draft = SimpleNamespace(
+        token_to_kv_pool=FakePool(100), req_to_token_pool=r2t_pool, is_draft_worker=True
+    )
+    args = spec_server_args("EAGLE", num_steps=4)
     on = CanaryConfig(CanaryMode.LOG)
     t = api.install_kv_canary(target, args, config=on)
     d = api.install_kv_canary(draft, args, config=on)
     assert t.record is d.record  # one record per req_to_token pool
     assert t.group.slot_fp.shape == (101,) and t.record.token_at.shape == (5, 33)
     assert (t.group.token_offset, d.group.token_offset) == (0, 1)
-    assert (len(t.single_forwards), len(d.single_forwards)) == (1, 3)  # num_steps - 1 inner steps
+    assert (len(t.single_forwards), len(d.single_forwards)) == (
+        1,
+        3,
+    )  # num_steps - 1 inner steps
     assert t.record.identity == "request"
 
 
-def test_draft_of_one_step_still_has_one_single_forward_and_standalone_has_no_offset():
-    from canary_sim import FakePool, FakeReqToTokenPool
+def test_draft_of_one_step_still_has_one_single_forward():
+    from canary_sim import FakePool, FakeReqToTokenPool, spec_server_args
 
     r2t_pool = FakeReqToTokenPool(rows=3, context=8, device=torch.device("cpu"))
-    draft = SimpleNamespace(token_to_kv_pool=FakePool(10), req_to_token_pool=r2t_pool, is_draft_worker=True)
-    args = SimpleNamespace(speculative_num_steps=1, speculative_algorithm="STANDALONE")
+    draft = SimpleNamespace(
+        token_to_kv_pool=FakePool(10), req_to_token_pool=r2t_pool, is_draft_worker=True
+    )
+    args = spec_server_args("STANDALONE", num_steps=1, radix=True)
     manager = api.install_kv_canary(draft, args, config=CanaryConfig(CanaryMode.LOG))
-    assert len(manager.single_forwards) == 1 and manager.group.token_offset == 0 and manager.is_draft
-    assert manager.record.identity == "content"  # radix cache on: KV is shared across requests
+    assert (
+        len(manager.single_forwards) == 1
+        and manager.group.token_offset == 1
+        and manager.is_draft
+    )
+    assert (
+        manager.record.identity == "content"
+    )  # radix cache on: KV is shared across requests
 
 
 def test_multi_layer_draft_runners_get_their_layer_offset():
-    from canary_sim import FakePool, FakeReqToTokenPool
+    from canary_sim import FakePool, FakeReqToTokenPool, spec_server_args
 
     r2t_pool = FakeReqToTokenPool(rows=3, context=8, device=torch.device("cpu"))
-    args = SimpleNamespace(speculative_num_steps=3, speculative_algorithm="EAGLE", disable_radix_cache=True)
+    args = spec_server_args("EAGLE", num_steps=3, multi_layer=True)
     managers = [
         api.install_kv_canary(
-            SimpleNamespace(token_to_kv_pool=FakePool(10), req_to_token_pool=r2t_pool, is_draft_worker=True, draft_model_idx=i),
-            args, config=CanaryConfig(CanaryMode.LOG),
+            SimpleNamespace(
+                token_to_kv_pool=FakePool(10),
+                req_to_token_pool=r2t_pool,
+                is_draft_worker=True,
+                draft_model_idx=i,
+            ),
+            args,
+            config=CanaryConfig(CanaryMode.LOG),
         )
         for i in range(3)
     ]
-    assert [(m.group.name, m.group.token_offset, m.group.speculative_tail, len(m.single_forwards)) for m in managers] == [
-        ("draft layer 0", 1, 0, 1), ("draft layer 1", 2, 1, 1), ("draft layer 2", 3, 2, 1),
+    assert [
+        (
+            m.group.name,
+            m.group.token_offset,
+            m.group.speculative_tail,
+            len(m.single_forwards),
+        )
+        for m in managers
+    ] == [
+        ("draft layer 0", 1, 0, 1),
+        ("draft layer 1", 2, 1, 1),
+        ("draft layer 2", 3, 2, 1),
     ]
 
 
@@ -157,9 +224,18 @@ def test_runner_bracket_is_for_target_runners_only():
 
     engine = SimEngine(seed=0)
     req = engine.admit(5)
-    batch = Batch(Mode.DECODE, 1, torch.tensor([req.row]), torch.tensor([5]), torch.tensor([1]),
-                  torch.tensor([0]), engine.target_pool)
-    with api.runner_bracket(engine.draft, batch):  # a no-op: the spec worker brackets drafts
+    batch = Batch(
+        Mode.DECODE,
+        1,
+        torch.tensor([req.row]),
+        torch.tensor([5]),
+        torch.tensor([1]),
+        torch.tensor([0]),
+        engine.target_pool,
+    )
+    with api.runner_bracket(
+        engine.draft, batch
+    ):  # a no-op: the spec worker brackets drafts
         assert not engine.draft.single_forwards[0].is_staged
     with api.runner_bracket(engine.target, batch):
         assert engine.target.single_forwards[0].is_staged

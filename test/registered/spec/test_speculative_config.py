@@ -5,7 +5,6 @@ pair's config."""
 from __future__ import annotations
 
 import pytest
-
 from specpatch import synth
 
 
@@ -21,14 +20,28 @@ def server_args(pair, **spec):
 
     target, draft = pair
     spec.setdefault("attention_backend", "triton")
-    return ServerArgs(model_path=str(target), speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft),
-                      skip_tokenizer_init=True, device="cuda", **spec)
+    return ServerArgs(
+        model_path=str(target),
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=str(draft),
+        skip_tokenizer_init=True,
+        device="cuda",
+        **spec,
+    )
 
 
 def test_topk1_with_inconsistent_draft_tokens_is_a_config_error(pair):
-    with pytest.raises(ValueError, match=r"--speculative-num-draft-tokens == --speculative-num-steps \+ 1 \(4\); "
-                                         r"got --speculative-num-draft-tokens 6"):
-        server_args(pair, speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=6)
+    with pytest.raises(
+        ValueError,
+        match=r"--speculative-num-draft-tokens == --speculative-num-steps \+ 1 \(4\); "
+        r"got --speculative-num-draft-tokens 6",
+    ):
+        server_args(
+            pair,
+            speculative_eagle_topk=1,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=6,
+        )
 
 
 def test_topk1_derives_draft_tokens_when_unset(pair):
@@ -37,7 +50,12 @@ def test_topk1_derives_draft_tokens_when_unset(pair):
 
 
 def test_topk1_accepts_the_consistent_value(pair):
-    args = server_args(pair, speculative_eagle_topk=1, speculative_num_steps=3, speculative_num_draft_tokens=4)
+    args = server_args(
+        pair,
+        speculative_eagle_topk=1,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=4,
+    )
     assert args.speculative_num_draft_tokens == 4
 
 
@@ -50,91 +68,173 @@ from sglang.srt.arg_groups import speculative_hook as hook  # noqa: E402
 
 
 def spec_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and "speculative decoding because" in r.getMessage()
-            or "Spec v2 (overlap scheduler)" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING
+        and "speculative decoding because" in r.getMessage()
+        or "Spec v2 (overlap scheduler)" in r.getMessage()
+    ]
 
 
 def test_tree_runs_spec_v2_with_page_size_1(pair, caplog):
     with caplog.at_level(logging.WARNING):
-        args = server_args(pair, speculative_eagle_topk=16, speculative_num_steps=3,
-                           speculative_num_draft_tokens=32, page_size=1)
+        args = server_args(
+            pair,
+            speculative_eagle_topk=16,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=32,
+            page_size=1,
+        )
     assert args.disable_overlap_schedule is False
-    assert spec_warnings(caplog) == ["Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=16)."]
+    assert spec_warnings(caplog) == [
+        "Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=16)."
+    ]
 
 
 def test_tree_falls_back_to_spec_v1_with_one_warning_naming_page_size(pair, caplog):
     with caplog.at_level(logging.WARNING):
-        args = server_args(pair, speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8,
-                           page_size=16, attention_backend="flashinfer")
+        args = server_args(
+            pair,
+            speculative_eagle_topk=4,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=8,
+            page_size=16,
+            attention_backend="flashinfer",
+        )
     assert args.disable_overlap_schedule is True
     [message] = spec_warnings(caplog)
     assert "--page-size 1, got 16" in message and message.startswith("Spec v1")
 
 
 def test_user_disabled_overlap_keeps_spec_v1(pair):
-    args = server_args(pair, speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8,
-                       disable_overlap_schedule=True)
+    args = server_args(
+        pair,
+        speculative_eagle_topk=4,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=8,
+        disable_overlap_schedule=True,
+    )
     assert args.disable_overlap_schedule is True
 
 
-@pytest.mark.parametrize("topk,steps,tokens,match", [
-    (4, 3, 100, r"--speculative-num-draft-tokens 100 is larger than the tree that --speculative-eagle-topk 4 "
-                r"with --speculative-num-steps 3 can draft \(at most 37 nodes"),
-    (2, 1, 4, r"at most 3 nodes"),
-    (4, 3, 1, r"must be >= 2 for a tree, got 1"),
-    (0, 3, 4, r"--speculative-eagle-topk must be >= 1, got 0"),
-    (4, 0, 4, r"--speculative-num-steps must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "topk,steps,tokens,match",
+    [
+        (
+            4,
+            3,
+            100,
+            r"--speculative-num-draft-tokens 100 is larger than the tree that --speculative-eagle-topk 4 "
+            r"with --speculative-num-steps 3 can draft \(at most 37 nodes",
+        ),
+        (2, 1, 4, r"at most 3 nodes"),
+        (4, 3, 1, r"must be >= 2 for a tree, got 1"),
+        (0, 3, 4, r"--speculative-eagle-topk must be >= 1, got 0"),
+        (4, 0, 4, r"--speculative-num-steps must be >= 1, got 0"),
+    ],
+)
 def test_inconsistent_tree_shapes_are_config_errors(pair, topk, steps, tokens, match):
     with pytest.raises(ValueError, match=match):
-        server_args(pair, speculative_eagle_topk=topk, speculative_num_steps=steps,
-                    speculative_num_draft_tokens=tokens)
+        server_args(
+            pair,
+            speculative_eagle_topk=topk,
+            speculative_num_steps=steps,
+            speculative_num_draft_tokens=tokens,
+        )
 
 
 def test_tree_with_pages_on_a_backend_without_paged_trees_is_refused(pair):
-    with pytest.raises(ValueError, match=r"--page-size 16 produces incorrect results with the triton"):
-        server_args(pair, speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8,
-                    page_size=16)
+    with pytest.raises(
+        ValueError, match=r"--page-size 16 produces incorrect results with the triton"
+    ):
+        server_args(
+            pair,
+            speculative_eagle_topk=4,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=8,
+            page_size=16,
+        )
 
 
 def test_largest_tree_is_accepted(pair):
-    args = server_args(pair, speculative_eagle_topk=2, speculative_num_steps=1, speculative_num_draft_tokens=3)
+    args = server_args(
+        pair,
+        speculative_eagle_topk=2,
+        speculative_num_steps=1,
+        speculative_num_draft_tokens=3,
+    )
     assert args.disable_overlap_schedule is False
 
 
 V2 = hook.SpecVersion(True, None)
-BASE = dict(topk=4, page_size=1, overlap_disabled=False, spec_v2_env_enabled=True, multi_layer=False,
-            recurrent_reason=None, attention_backends={"triton"}, mla_target=False)
+BASE = dict(
+    topk=4,
+    page_size=1,
+    overlap_disabled=False,
+    spec_v2_env_enabled=True,
+    multi_layer=False,
+    recurrent_reason=None,
+    attention_backends={"triton"},
+    mla_target=False,
+)
 
 
-@pytest.mark.parametrize("change,use_v2,reason", [
-    ({}, True, None),
-    ({"topk": 1, "page_size": 64, "attention_backends": {"fa3"}}, True, None),
-    ({"overlap_disabled": True}, False, None),
-    ({"spec_v2_env_enabled": False}, False, "SGLANG_ENABLE_SPEC_V2=False"),
-    ({"page_size": 64}, False, "--page-size 1, got 64"),
-    ({"recurrent_reason": "the target (Qwen3NextConfig) has mamba / linear-attention layers"}, False,
-     "without recurrent state; the target (Qwen3NextConfig)"),
-    ({"multi_layer": True}, False, "multi-layer EAGLE drafts chains"),
-    ({"attention_backends": {"flashinfer"}}, True, None),
-    ({"attention_backends": {"triton", "flashinfer"}}, True, None),
-    # an MLA target's "flashinfer" is flashinfer_mla, which has no spec-v2 trees
-    ({"attention_backends": {"flashinfer"}, "mla_target": True}, False,
-     "needs a non-MLA target for the flashinfer attention backend: on an MLA target it runs flashinfer_mla"),
-    ({"attention_backends": {"triton", "flashinfer"}, "mla_target": True}, False, "flashinfer_mla"),
-    ({"attention_backends": {"flashinfer"}, "mla_target": True, "topk": 1}, True, None),
-    # Hopper's default backend: v2 trees with a draft-extend CUDA graph (patch 0017)
-    ({"attention_backends": {"fa3"}}, True, None),
-    ({"attention_backends": {"fa3", "flashinfer"}}, True, None),
-    ({"attention_backends": {"fa3"}, "mla_target": True}, False,
-     "a non-MLA target for the fa3 attention backend: its MLA path has not run spec v2 trees"),
-    ({"attention_backends": {"fa3", "flashinfer"}, "mla_target": True}, False,
-     "for the fa3 attention backend: its MLA path has not run spec v2 trees on a GPU; a non-MLA target "
-     "for the flashinfer attention backend"),
-    ({"attention_backends": {"fa3", "aiter"}}, False,
-     "an attention backend in ['fa3', 'flashinfer', 'triton'], got aiter"),
-])
+@pytest.mark.parametrize(
+    "change,use_v2,reason",
+    [
+        ({}, True, None),
+        ({"topk": 1, "page_size": 64, "attention_backends": {"fa3"}}, True, None),
+        ({"overlap_disabled": True}, False, None),
+        ({"spec_v2_env_enabled": False}, False, "SGLANG_ENABLE_SPEC_V2=False"),
+        ({"page_size": 64}, False, "--page-size 1, got 64"),
+        (
+            {
+                "recurrent_reason": "the target (Qwen3NextConfig) has mamba / linear-attention layers"
+            },
+            False,
+            "without recurrent state; the target (Qwen3NextConfig)",
+        ),
+        ({"multi_layer": True}, False, "multi-layer EAGLE drafts chains"),
+        ({"attention_backends": {"flashinfer"}}, True, None),
+        ({"attention_backends": {"triton", "flashinfer"}}, True, None),
+        # an MLA target's "flashinfer" is flashinfer_mla, which has no spec-v2 trees
+        (
+            {"attention_backends": {"flashinfer"}, "mla_target": True},
+            False,
+            "needs a non-MLA target for the flashinfer attention backend: on an MLA target it runs flashinfer_mla",
+        ),
+        (
+            {"attention_backends": {"triton", "flashinfer"}, "mla_target": True},
+            False,
+            "flashinfer_mla",
+        ),
+        (
+            {"attention_backends": {"flashinfer"}, "mla_target": True, "topk": 1},
+            True,
+            None,
+        ),
+        # Hopper's default backend: v2 trees with a draft-extend CUDA graph (patch 0017)
+        ({"attention_backends": {"fa3"}}, True, None),
+        ({"attention_backends": {"fa3", "flashinfer"}}, True, None),
+        (
+            {"attention_backends": {"fa3"}, "mla_target": True},
+            False,
+            "a non-MLA target for the fa3 attention backend: its MLA path has not run spec v2 trees",
+        ),
+        (
+            {"attention_backends": {"fa3", "flashinfer"}, "mla_target": True},
+            False,
+            "for the fa3 attention backend: its MLA path has not run spec v2 trees on a GPU; a non-MLA target "
+            "for the flashinfer attention backend",
+        ),
+        (
+            {"attention_backends": {"fa3", "aiter"}},
+            False,
+            "an attention backend in ['fa3', 'flashinfer', 'triton'], got aiter",
+        ),
+    ],
+)
 def test_spec_version_decision_table(change, use_v2, reason):
     version = hook.choose_spec_version(**{**BASE, **change})
     assert version.use_spec_v2 is use_v2
@@ -146,25 +246,42 @@ def test_spec_version_decision_table(change, use_v2, reason):
 
 def _hook_args(mla_target=False, **overrides):
     """What handle_eagle_family reads from ServerArgs, as a plain namespace."""
-    return SimpleNamespace(**{
-        **dict(speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8, page_size=1,
-               attention_backend="triton", decode_attention_backend=None, prefill_attention_backend=None,
-               speculative_draft_attention_backend=None, disable_overlap_schedule=False,
-               enable_multi_layer_eagle=False, enable_dp_attention=False, disable_cuda_graph=False,
-               speculative_algorithm="EAGLE", use_mla_backend=lambda: mla_target),
-        **overrides,
-    })
+    return SimpleNamespace(
+        **{
+            **dict(
+                speculative_eagle_topk=4,
+                speculative_num_steps=3,
+                speculative_num_draft_tokens=8,
+                page_size=1,
+                attention_backend="triton",
+                decode_attention_backend=None,
+                prefill_attention_backend=None,
+                speculative_draft_attention_backend=None,
+                disable_overlap_schedule=False,
+                enable_multi_layer_eagle=False,
+                enable_dp_attention=False,
+                disable_cuda_graph=False,
+                speculative_algorithm="EAGLE",
+                use_mla_backend=lambda: mla_target,
+            ),
+            **overrides,
+        }
+    )
 
 
 def _dp_attention_args(**overrides):
-    return _hook_args(**{"enable_dp_attention": True, "speculative_algorithm": "EAGLE3", **overrides})
+    return _hook_args(
+        **{"enable_dp_attention": True, "speculative_algorithm": "EAGLE3", **overrides}
+    )
 
 
 def test_dp_attention_tree_runs_spec_v2(caplog):
     # GPU: test_tree_v2_eagle3_gpu.py::test_tree_v2_with_dp_attention_and_an_idle_rank
     server_args = _dp_attention_args()
     with caplog.at_level(logging.WARNING):
-        hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
+        hook.handle_eagle_family(
+            server_args, SimpleNamespace(), spec_v2_env_enabled=True
+        )
     assert server_args.disable_overlap_schedule is False
     [message] = spec_warnings(caplog)
     assert message.startswith("Spec v2")
@@ -172,16 +289,29 @@ def test_dp_attention_tree_runs_spec_v2(caplog):
 
 @pytest.mark.parametrize("overlap_disabled", [False, True], ids=["spec-v2", "spec-v1"])
 def test_dp_attention_tree_without_cuda_graphs_is_refused(overlap_disabled):
-    server_args = _dp_attention_args(disable_cuda_graph=True, disable_overlap_schedule=overlap_disabled)
-    with pytest.raises(ValueError, match=r"--speculative-eagle-topk 4 with --enable-dp-attention needs CUDA graphs"):
-        hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
+    server_args = _dp_attention_args(
+        disable_cuda_graph=True, disable_overlap_schedule=overlap_disabled
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"--speculative-eagle-topk 4 with --enable-dp-attention needs CUDA graphs",
+    ):
+        hook.handle_eagle_family(
+            server_args, SimpleNamespace(), spec_v2_env_enabled=True
+        )
 
 
 def test_dp_attention_chain_without_cuda_graphs_is_left_to_upstream():
-    server_args = _dp_attention_args(speculative_eagle_topk=1, speculative_num_draft_tokens=None,
-                                          disable_cuda_graph=True)
+    server_args = _dp_attention_args(
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=None,
+        disable_cuda_graph=True,
+    )
     hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
-    assert server_args.disable_overlap_schedule is False and server_args.speculative_num_draft_tokens == 4
+    assert (
+        server_args.disable_overlap_schedule is False
+        and server_args.speculative_num_draft_tokens == 4
+    )
 
 
 def test_recurrent_targets_are_recognised():
@@ -190,11 +320,21 @@ def test_recurrent_targets_are_recognised():
 
     assert "Qwen3NextConfig" in hook.recurrent_layer_reason(Qwen3NextConfig())
     hybrid = SimpleNamespace(layer_types=["full_attention", "linear_attention"])
-    assert hook.recurrent_layer_reason(hybrid) == "the target has linear_attention layers (layer_types)"
-    assert hook.recurrent_layer_reason(SimpleNamespace(layer_types=["full_attention", "sliding_attention"])) is None
+    assert (
+        hook.recurrent_layer_reason(hybrid)
+        == "the target has linear_attention layers (layer_types)"
+    )
+    assert (
+        hook.recurrent_layer_reason(
+            SimpleNamespace(layer_types=["full_attention", "sliding_attention"])
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize("topk,steps,expected", [(2, 1, 3), (4, 3, 37), (16, 5, 1 + 16 + 4 * 256), (1, 5, 6)])
+@pytest.mark.parametrize(
+    "topk,steps,expected", [(2, 1, 3), (4, 3, 37), (16, 5, 1 + 16 + 4 * 256), (1, 5, 6)]
+)
 def test_max_tree_draft_tokens(topk, steps, expected):
     assert hook.max_tree_draft_tokens(topk, steps) == expected
 
@@ -202,8 +342,16 @@ def test_max_tree_draft_tokens(topk, steps, expected):
 def test_server_args_refuse_a_dp_attention_tree_without_cuda_graphs(pair):
     # ServerArgs.__post_init__ reaches the hook; nothing has touched a GPU yet
     with pytest.raises(ValueError, match=r"--enable-dp-attention needs CUDA graphs"):
-        server_args(pair, speculative_eagle_topk=4, speculative_num_steps=3, speculative_num_draft_tokens=8,
-                    tp_size=2, dp_size=2, enable_dp_attention=True, disable_cuda_graph=True)
+        server_args(
+            pair,
+            speculative_eagle_topk=4,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=8,
+            tp_size=2,
+            dp_size=2,
+            enable_dp_attention=True,
+            disable_cuda_graph=True,
+        )
 
 
 # ----------------------------------------------------------------------------- backends in play
@@ -213,13 +361,76 @@ def test_server_args_refuse_a_dp_attention_tree_without_cuda_graphs(pair):
     "backends,use_v2,reason",
     [
         # the draft worker runs draft decode and draft extend on --speculative-draft-attention-backend
-        (dict(attention_backend="triton", speculative_draft_attention_backend="aiter"), False, "got aiter"),
-        (dict(attention_backend="aiter", speculative_draft_attention_backend="triton"), False, "got aiter"),
-        (dict(attention_backend="triton", speculative_draft_attention_backend="triton"), True, None),
-        (dict(attention_backend="flashinfer", speculative_draft_attention_backend="triton"), True, None),
-        (dict(attention_backend="flashinfer", mla_target=True), False, "it runs flashinfer_mla"),
         (
-            dict(attention_backend="triton", speculative_draft_attention_backend="flashinfer", mla_target=True),
+            dict(
+                attention_backend="triton", speculative_draft_attention_backend="aiter"
+            ),
+            False,
+            "got aiter",
+        ),
+        (
+            dict(
+                attention_backend="aiter", speculative_draft_attention_backend="triton"
+            ),
+            False,
+            "got aiter",
+        ),
+        (
+            dict(
+                attention_backend="triton", speculative_draft_attention_backend="triton"
+            ),
+            True,
+            None,
+        ),
+        (
+            dict(
+                attention_backend="flashinfer",
+                speculative_draft_attention_backend="triton",
+            ),
+            True,
+            None,
+        ),
+        (
+            dict(attention_backend="flashinfer", mla_target=True),
+            False,
+            "it runs flashinfer_mla",
+        ),
+        (
+            dict(attention_backend="triton", speculative_draft_attention_backend="fa3"),
+            False,
+            "got fa3 (fa3's spec v2",
+        ),
+        (
+            dict(attention_backend="fa3", speculative_draft_attention_backend="triton"),
+            False,
+            "got fa3 (fa3's spec v2",
+        ),
+        (
+            dict(
+                attention_backend="triton", speculative_draft_attention_backend="triton"
+            ),
+            True,
+            None,
+        ),
+        (
+            dict(
+                attention_backend="flashinfer",
+                speculative_draft_attention_backend="triton",
+            ),
+            True,
+            None,
+        ),
+        (
+            dict(attention_backend="flashinfer", mla_target=True),
+            False,
+            "it runs flashinfer_mla",
+        ),
+        (
+            dict(
+                attention_backend="triton",
+                speculative_draft_attention_backend="flashinfer",
+                mla_target=True,
+            ),
             False,
             "it runs flashinfer_mla",
         ),
@@ -238,28 +449,51 @@ def test_server_args_refuse_a_dp_attention_tree_without_cuda_graphs(pair):
 def test_hook_decides_on_every_backend_in_play(backends, use_v2, reason, caplog):
     server_args = _hook_args(**backends)
     with caplog.at_level(logging.WARNING):
-        hook.handle_eagle_family(server_args, SimpleNamespace(), spec_v2_env_enabled=True)
+        hook.handle_eagle_family(
+            server_args, SimpleNamespace(), spec_v2_env_enabled=True
+        )
     assert server_args.disable_overlap_schedule is (not use_v2)
     [message] = spec_warnings(caplog)
     if use_v2:
-        assert message == "Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=4)."
+        assert (
+            message
+            == "Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=4)."
+        )
     else:
-        assert message.startswith("Spec v1 is used for eagle speculative decoding because spec v2 tree drafting")
+        assert message.startswith(
+            "Spec v1 is used for eagle speculative decoding because spec v2 tree drafting"
+        )
         assert reason in message
 
 
 @pytest.mark.parametrize(
     "backends,use_v2,reason",
     [
-        (dict(attention_backend="triton", speculative_draft_attention_backend="fa3"), True, None),
-        (dict(attention_backend="fa3", speculative_draft_attention_backend="triton"), True, None),
-        (dict(attention_backend="triton", speculative_draft_attention_backend="torch_native"), False,
-         "got torch_native"),
+        (
+            dict(attention_backend="triton", speculative_draft_attention_backend="fa3"),
+            True,
+            None,
+        ),
+        (
+            dict(attention_backend="fa3", speculative_draft_attention_backend="triton"),
+            True,
+            None,
+        ),
+        (
+            dict(
+                attention_backend="triton",
+                speculative_draft_attention_backend="torch_native",
+            ),
+            False,
+            "got torch_native",
+        ),
         (dict(attention_backend="flashinfer"), True, None),
     ],
     ids=["draft-fa3", "target-fa3", "draft-torch-native", "flashinfer"],
 )
-def test_server_args_decide_on_the_draft_backend_too(pair, backends, use_v2, reason, caplog):
+def test_server_args_decide_on_the_draft_backend_too(
+    pair, backends, use_v2, reason, caplog
+):
     with caplog.at_level(logging.WARNING):
         args = server_args(
             pair,
@@ -278,7 +512,8 @@ def test_server_args_decide_on_the_draft_backend_too(pair, backends, use_v2, rea
 
 def test_paged_tree_with_a_triton_draft_backend_is_refused(pair):
     with pytest.raises(
-        ValueError, match=r"--page-size 16 produces incorrect results with the triton attention backend"
+        ValueError,
+        match=r"--page-size 16 produces incorrect results with the triton attention backend",
     ):
         server_args(
             pair,
@@ -293,7 +528,11 @@ def test_paged_tree_with_a_triton_draft_backend_is_refused(pair):
 
 # ----------------------------------------------------------------------------- shape completion
 
-TOPK, STEPS, TOKENS = "--speculative-eagle-topk", "--speculative-num-steps", "--speculative-num-draft-tokens"
+TOPK, STEPS, TOKENS = (
+    "--speculative-eagle-topk",
+    "--speculative-num-steps",
+    "--speculative-num-draft-tokens",
+)
 
 # (topk, num_steps, num_draft_tokens) given (None: unset) -> the completed shape
 COMPLETIONS = [
@@ -321,7 +560,11 @@ COMPLETIONS = [
 
 
 def _completion_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "draft shape completed" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "draft shape completed" in r.getMessage()
+    ]
 
 
 def _expected_line(given, shape) -> str:
@@ -333,19 +576,36 @@ def _expected_line(given, shape) -> str:
 
 # All three set, or none (upstream's auto_choose_speculative_params, which picks (5, 4, 8) for a
 # Llama target): nothing is completed, so nothing is logged.
-UNCOMPLETED = [((4, 3, 8), (4, 3, 8)), ((1, 2, 3), (1, 2, 3)), ((None, None, None), (4, 5, 8))]
+UNCOMPLETED = [
+    ((4, 3, 8), (4, 3, 8)),
+    ((1, 2, 3), (1, 2, 3)),
+    ((None, None, None), (4, 5, 8)),
+]
 
 
-@pytest.mark.parametrize("given,expected", COMPLETIONS + UNCOMPLETED, ids=[str(g) for g, _ in COMPLETIONS + UNCOMPLETED])
+@pytest.mark.parametrize(
+    "given,expected",
+    COMPLETIONS + UNCOMPLETED,
+    ids=[str(g) for g, _ in COMPLETIONS + UNCOMPLETED],
+)
 def test_server_args_complete_a_partial_shape(pair, given, expected, caplog):
     topk, steps, tokens = given
     with caplog.at_level(logging.INFO):
         args = server_args(
-            pair, speculative_eagle_topk=topk, speculative_num_steps=steps, speculative_num_draft_tokens=tokens
+            pair,
+            speculative_eagle_topk=topk,
+            speculative_num_steps=steps,
+            speculative_num_draft_tokens=tokens,
         )
-    assert (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens) == expected
+    assert (
+        args.speculative_eagle_topk,
+        args.speculative_num_steps,
+        args.speculative_num_draft_tokens,
+    ) == expected
     partial = (given, expected) not in UNCOMPLETED
-    assert _completion_lines(caplog) == ([_expected_line(given, expected)] if partial else [])
+    assert _completion_lines(caplog) == (
+        [_expected_line(given, expected)] if partial else []
+    )
 
 
 REFUSED = [
@@ -366,9 +626,18 @@ REFUSED = [
     ((4, None, 1), r"--speculative-num-draft-tokens must be >= 2 for a tree, got 1"),
     ((4, None, 1025), r"--speculative-num-draft-tokens must be <= 1024, got 1025"),
     ((16, 5, 1025), r"--speculative-num-draft-tokens must be <= 1024, got 1025"),
-    ((None, 1024, None), r"--speculative-num-draft-tokens must be <= 1024, got 1025 \(a chain of --speculative-num-steps 1024\)"),
-    ((1, None, 1025), r"--speculative-num-draft-tokens must be <= 1024, got 1025 \(a chain of --speculative-num-steps 1024\)"),
-    ((1, 3, 5), r"--speculative-num-draft-tokens == --speculative-num-steps \+ 1 \(4\)"),
+    (
+        (None, 1024, None),
+        r"--speculative-num-draft-tokens must be <= 1024, got 1025 \(a chain of --speculative-num-steps 1024\)",
+    ),
+    (
+        (1, None, 1025),
+        r"--speculative-num-draft-tokens must be <= 1024, got 1025 \(a chain of --speculative-num-steps 1024\)",
+    ),
+    (
+        (1, 3, 5),
+        r"--speculative-num-draft-tokens == --speculative-num-steps \+ 1 \(4\)",
+    ),
 ]
 
 
@@ -376,24 +645,50 @@ REFUSED = [
 def test_server_args_refuse_what_cannot_be_completed(pair, given, match, caplog):
     topk, steps, tokens = given
     with caplog.at_level(logging.INFO), pytest.raises(ValueError, match=match):
-        server_args(pair, speculative_eagle_topk=topk, speculative_num_steps=steps, speculative_num_draft_tokens=tokens)
+        server_args(
+            pair,
+            speculative_eagle_topk=topk,
+            speculative_num_steps=steps,
+            speculative_num_draft_tokens=tokens,
+        )
     assert _completion_lines(caplog) == []
 
 
 def test_largest_draft_token_count_is_accepted(pair):
     # 1 + 16 + 4 * 256 = 1041 nodes can be drafted; sgl_kernel's tree build takes 1024
-    args = server_args(pair, speculative_eagle_topk=16, speculative_num_steps=5, speculative_num_draft_tokens=1024)
-    assert args.speculative_num_draft_tokens == 1024 and args.disable_overlap_schedule is False
+    args = server_args(
+        pair,
+        speculative_eagle_topk=16,
+        speculative_num_steps=5,
+        speculative_num_draft_tokens=1024,
+    )
+    assert (
+        args.speculative_num_draft_tokens == 1024
+        and args.disable_overlap_schedule is False
+    )
 
 
 @pytest.mark.parametrize("attention_backend", ["triton", "flashinfer"])
-def test_mission_command_topk_alone_runs_a_spec_v2_tree(pair, attention_backend, caplog):
+def test_mission_command_topk_alone_runs_a_spec_v2_tree(
+    pair, attention_backend, caplog
+):
     # launch_server --speculative-eagle-topk 16 --page-size 1: upstream's bare AssertionError
     with caplog.at_level(logging.WARNING):
-        args = server_args(pair, speculative_eagle_topk=16, page_size=1, attention_backend=attention_backend)
-    assert (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens) == (16, 3, 32)
+        args = server_args(
+            pair,
+            speculative_eagle_topk=16,
+            page_size=1,
+            attention_backend=attention_backend,
+        )
+    assert (
+        args.speculative_eagle_topk,
+        args.speculative_num_steps,
+        args.speculative_num_draft_tokens,
+    ) == (16, 3, 32)
     assert args.disable_overlap_schedule is False
-    assert spec_warnings(caplog) == ["Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=16)."]
+    assert spec_warnings(caplog) == [
+        "Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=16)."
+    ]
     assert _completion_lines(caplog) == [
         "EAGLE draft shape completed: --speculative-eagle-topk 16 --speculative-num-steps 3 (derived) "
         "--speculative-num-draft-tokens 32 (derived)"
@@ -413,6 +708,40 @@ def test_shape_flags_help_says_unset_values_are_derived():
     assert "at most 1024" in helps[TOKENS]
 
 
+def test_shape_flags_help_states_the_rules_the_hook_enforces():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    helps = {
+        a.option_strings[0]: " ".join(a.help.split())
+        for a in parser._actions
+        if a.option_strings
+    }
+    # check_at_least_one
+    assert "(>= 1)" in helps[STEPS] and "(>= 1;" in helps[TOPK]
+    # complete_shape's rules, with the values COMPLETIONS and REFUSED pin
+    for rule in (
+        "topk 1 alone: a chain of 3 steps",
+        "topk k > 1 alone: 3 steps and min(2k, 1024) draft tokens",
+        "steps alone: a chain (topk 1)",
+        "max(2k, steps + 1) for a tree (capped by the tree's size and 1024)",
+        "3 for a tree or the fewest whose tree holds the tokens",
+        "Tokens without topk are refused unless steps is set and tokens == steps + 1",
+    ):
+        assert rule in helps[STEPS], rule
+    # check_chain_shape, check_tree_shape / max_tree_draft_tokens, check_draft_token_cap
+    assert "exactly steps + 1 for a chain" in helps[TOKENS]
+    assert "2 to 1 + topk + (steps - 1) * topk^2; at most 1024" in helps[TOKENS]
+    # check_draft_model_given, check_draft_model_path
+    assert (
+        "required unless the target has draft (MTP) layers"
+        in helps["--speculative-draft-model-path"]
+    )
+
+
 # ----------------------------------------------------------------------------- complete_shape (pure)
 
 
@@ -420,11 +749,15 @@ def _no_auto():
     raise AssertionError("auto-choice runs only when no shape flag is set")
 
 
-@pytest.mark.parametrize("given,expected", COMPLETIONS, ids=[str(g) for g, _ in COMPLETIONS])
+@pytest.mark.parametrize(
+    "given,expected", COMPLETIONS, ids=[str(g) for g, _ in COMPLETIONS]
+)
 def test_complete_shape_table(given, expected):
     shape = hook.complete_shape(*given, auto=_no_auto)
     assert (shape.topk, shape.num_steps, shape.num_draft_tokens) == expected
-    assert shape.derived == tuple(flag for flag, g in zip((TOPK, STEPS, TOKENS), given) if g is None)
+    assert shape.derived == tuple(
+        flag for flag, g in zip((TOPK, STEPS, TOKENS), given) if g is None
+    )
     assert shape.auto_chosen is False
 
 
@@ -444,7 +777,11 @@ def test_complete_shape_caps_and_smallest_steps(given, expected):
     assert (shape.topk, shape.num_steps, shape.num_draft_tokens) == expected
     topk, steps, tokens = expected
     if given[1] is None and topk > 1 and steps > hook.DEFAULT_TREE_STEPS:
-        assert hook.max_tree_draft_tokens(topk, steps - 1) < tokens <= hook.max_tree_draft_tokens(topk, steps)
+        assert (
+            hook.max_tree_draft_tokens(topk, steps - 1)
+            < tokens
+            <= hook.max_tree_draft_tokens(topk, steps)
+        )
 
 
 def test_complete_shape_auto_chooses_only_when_nothing_is_set():
@@ -455,7 +792,9 @@ def test_complete_shape_auto_chooses_only_when_nothing_is_set():
         return 5, 4, 8  # (num_steps, topk, num_draft_tokens), upstream's order
 
     shape = hook.complete_shape(None, None, None, auto=auto)
-    assert shape == hook.DraftShape(4, 5, 8, derived=(), auto_chosen=True) and calls == [1]
+    assert shape == hook.DraftShape(
+        4, 5, 8, derived=(), auto_chosen=True
+    ) and calls == [1]
     full = hook.complete_shape(4, 5, 8, auto=_no_auto)
     assert full == hook.DraftShape(4, 5, 8, derived=(), auto_chosen=False)
 
@@ -473,10 +812,16 @@ def test_complete_shape_returns_a_valid_shape_or_a_value_error_naming_a_flag(top
             try:
                 shape = hook.complete_shape(*given, auto=_no_auto)
             except ValueError as error:
-                assert any(flag in str(error) for flag in (TOPK, STEPS, TOKENS)), (given, error)
+                assert any(flag in str(error) for flag in (TOPK, STEPS, TOKENS)), (
+                    given,
+                    error,
+                )
                 continue
             completed = (shape.topk, shape.num_steps, shape.num_draft_tokens)
-            assert all(g is None or g == c for g, c in zip(given, completed)), (given, completed)
+            assert all(g is None or g == c for g, c in zip(given, completed)), (
+                given,
+                completed,
+            )
             hook.check_shape(*completed)
             assert shape.num_draft_tokens <= hook.MAX_DRAFT_TOKENS
 
@@ -490,7 +835,11 @@ def test_complete_eagle_shape_sets_the_fields_and_logs_once(caplog):
     )
     with caplog.at_level(logging.INFO):
         hook.complete_eagle_shape(args, auto_choose=lambda server_args: _no_auto())
-    assert (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens) == (1, 4, 5)
+    assert (
+        args.speculative_eagle_topk,
+        args.speculative_num_steps,
+        args.speculative_num_draft_tokens,
+    ) == (1, 4, 5)
     assert _completion_lines(caplog) == [
         "EAGLE3 draft shape completed: --speculative-eagle-topk 1 (derived) --speculative-num-steps 4 "
         "--speculative-num-draft-tokens 5 (derived)"
@@ -505,6 +854,12 @@ def test_complete_eagle_shape_passes_server_args_to_auto_choose():
         speculative_algorithm="STANDALONE",
     )
     seen = []
-    hook.complete_eagle_shape(args, auto_choose=lambda server_args: seen.append(server_args) or (3, 1, 4))
+    hook.complete_eagle_shape(
+        args, auto_choose=lambda server_args: seen.append(server_args) or (3, 1, 4)
+    )
     assert seen == [args]
-    assert (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens) == (1, 3, 4)
+    assert (
+        args.speculative_eagle_topk,
+        args.speculative_num_steps,
+        args.speculative_num_draft_tokens,
+    ) == (1, 3, 4)

@@ -3,8 +3,15 @@
 Everything here runs inside ServerArgs.__post_init__, before any GPU allocation, so a bad
 combination of flags fails with a ValueError that names the flags.
 
+Before any of them, for every algorithm (`check_speculative_flags`, first thing in
+_handle_speculative_decoding): a --speculative-draft-model-path that is neither a local path
+nor a Hugging Face repo id is a ValueError naming the flag, and --speculative-* flags given
+without --speculative-algorithm, which upstream ignores, get one warning naming them.
+
 The decisions, in order:
-0. Shape completion (`complete_eagle_shape`): with none of --speculative-eagle-topk /
+0. A draft to run (`check_draft_model_given`): without --speculative-draft-model-path sglang
+   drafts with the target's checkpoint, which only a target with draft (MTP) layers can do.
+   Then shape completion (`complete_eagle_shape`): with none of --speculative-eagle-topk /
    --speculative-num-steps / --speculative-num-draft-tokens set, upstream's
    auto_choose_speculative_params picks all three; with some set, the others are derived from
    them (`complete_shape`, rules in its docstring) and one warning names the three values.
@@ -23,8 +30,12 @@ The decisions, in order:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
+import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional
 
 if TYPE_CHECKING:
@@ -77,7 +88,9 @@ _RECURRENT_CONFIG_CLASSES = frozenset(
         "Qwen3_5MoeConfig",
     }
 )
-_RECURRENT_LAYER_TYPES = frozenset({"mamba", "mamba2", "linear_attention", "linear_attn", "gdn"})
+_RECURRENT_LAYER_TYPES = frozenset(
+    {"mamba", "mamba2", "linear_attention", "linear_attn", "gdn"}
+)
 
 
 # sgl_kernel's build_tree_kernel_efficient launches one thread per draft token in one block.
@@ -89,6 +102,115 @@ DEFAULT_TREE_STEPS = 3
 TOPK_FLAG = "--speculative-eagle-topk"
 STEPS_FLAG = "--speculative-num-steps"
 DRAFT_TOKENS_FLAG = "--speculative-num-draft-tokens"
+ALGORITHM_FLAG = "--speculative-algorithm"
+DRAFT_MODEL_PATH_FLAG = "--speculative-draft-model-path"
+
+# speculative_* fields that a user's flag does not alone decide: upstream fills them before
+# _handle_speculative_decoding (the draft's quantization from --quantization, the MoE backends
+# from model-specific defaults), or refuses them itself without EAGLE (skip_dp_mlp_sync asserts).
+_SPECULATIVE_FIELDS_NOT_WARNED = frozenset(
+    {
+        "speculative_algorithm",
+        "speculative_draft_model_quantization",
+        "speculative_moe_runner_backend",
+        "speculative_moe_a2a_backend",
+        "speculative_skip_dp_mlp_sync",
+    }
+)
+
+
+# ----------------------------------------------------------------------------- flags and draft
+
+
+def check_speculative_flags(server_args: ServerArgs) -> None:
+    """Checks for every algorithm, before upstream reads any speculative flag."""
+    check_draft_model_path(server_args.speculative_draft_model_path)
+    if server_args.speculative_algorithm is None:
+        warn_ignored_speculative_flags(server_args)
+
+
+def check_draft_model_path(path: Optional[str]) -> None:
+    """The draft path names a local path or looks like a Hugging Face repo id.
+
+    Anything else reaches huggingface_hub (the algorithm alias check reads the draft's config
+    first thing) and fails as "Repo id must be in the form ...", naming no flag. A repo id that
+    is not a local directory stays allowed: the server may download it.
+    """
+    if path is None or os.path.exists(path):
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise ValueError(
+            f"{DRAFT_MODEL_PATH_FLAG} {path!r} does not exist locally and is not a Hugging Face "
+            "repo id ('name' or 'namespace/name')"
+        ) from None
+
+
+def ignored_speculative_flags(server_args: ServerArgs) -> list[str]:
+    """The --speculative-* flags set away from their defaults, as `--flag value`."""
+    given = []
+    for field in dataclasses.fields(type(server_args)):
+        if (
+            not field.name.startswith("speculative_")
+            or field.name in _SPECULATIVE_FIELDS_NOT_WARNED
+        ):
+            continue
+        value = getattr(server_args, field.name)
+        if field.default is not dataclasses.MISSING and value != field.default:
+            given.append(f"--{field.name.replace('_', '-')} {value}")
+    return given
+
+
+def warn_ignored_speculative_flags(server_args: ServerArgs) -> None:
+    """Upstream runs without speculation when no algorithm is given and ignores the other
+    speculative flags: say so, since the user evidently meant to speculate."""
+    given = ignored_speculative_flags(server_args)
+    if given:
+        logger.warning(
+            "No %s is given, so speculative decoding is off and these flags are ignored: %s",
+            ALGORITHM_FLAG,
+            ", ".join(given),
+        )
+
+
+def builtin_draft_architecture(hf_config) -> Optional[str]:
+    """The draft model class sglang builds from the target's own checkpoint (MTP / NextN
+    layers) when no draft path is given, or None when the target has none.
+
+    Without a draft path the draft worker loads the target's checkpoint as a draft model, and
+    upstream's draft-config step (ModelConfig._config_draft_model) renames the architecture of
+    targets with draft layers (Qwen3NextForCausalLM -> Qwen3NextForCausalLMMTP); a target it
+    leaves as is gets loaded as a draft it is not. Run on a copy: the step edits the config.
+    """
+    from sglang.srt.configs.model_config import ModelConfig
+
+    target_architecture = hf_config.architectures[0]
+    draft_config = copy.copy(hf_config)
+    draft_config.architectures = list(hf_config.architectures)
+    ModelConfig._config_draft_model(
+        SimpleNamespace(is_draft_model=True, hf_config=draft_config)
+    )
+    draft_architecture = draft_config.architectures[0]
+    return None if draft_architecture == target_architecture else draft_architecture
+
+
+def check_draft_model_given(server_args: ServerArgs) -> None:
+    """EAGLE, EAGLE3 and STANDALONE need --speculative-draft-model-path, unless the target
+    carries its own draft layers (builtin_draft_architecture). Called after upstream fills the
+    path in for the DeepSeek-style MTP targets it knows."""
+    if server_args.speculative_draft_model_path is not None:
+        return
+    hf_config = server_args.get_model_config().hf_config
+    if builtin_draft_architecture(hf_config) is not None:
+        return
+    raise ValueError(
+        f"{ALGORITHM_FLAG} {server_args.speculative_algorithm} needs {DRAFT_MODEL_PATH_FLAG} "
+        f"(a local directory or a Hugging Face repo id): the target ({hf_config.architectures[0]}) "
+        "has no draft (MTP) layers of its own to draft with"
+    )
 
 
 # ----------------------------------------------------------------------------- draft shape
@@ -118,10 +240,14 @@ def check_chain_shape(num_steps: int, num_draft_tokens: int) -> None:
             f"--speculative-num-draft-tokens == --speculative-num-steps + 1 ({num_steps + 1}); "
             f"got --speculative-num-draft-tokens {num_draft_tokens}"
         )
-    check_draft_token_cap(num_draft_tokens, f" (a chain of --speculative-num-steps {num_steps})")
+    check_draft_token_cap(
+        num_draft_tokens, f" (a chain of --speculative-num-steps {num_steps})"
+    )
 
 
-def resolve_chain_num_draft_tokens(num_steps: int, num_draft_tokens: Optional[int]) -> int:
+def resolve_chain_num_draft_tokens(
+    num_steps: int, num_draft_tokens: Optional[int]
+) -> int:
     """num_draft_tokens for topk == 1: derived when unset, refused when inconsistent."""
     if num_draft_tokens is None:
         num_draft_tokens = num_steps + 1
@@ -138,7 +264,9 @@ def max_tree_draft_tokens(topk: int, num_steps: int) -> int:
     return 1 + topk + (num_steps - 1) * topk * topk
 
 
-def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: Optional[int]) -> None:
+def check_tree_shape(
+    topk: int, num_steps: int, num_draft_tokens: Optional[int]
+) -> None:
     """topk > 1 drafts a tree of num_draft_tokens nodes (root included)."""
     check_at_least_one(STEPS_FLAG, num_steps)
     if num_draft_tokens is None:
@@ -147,7 +275,9 @@ def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: Optional[int])
             f"(tree nodes including the root, 2..{max_tree_draft_tokens(topk, num_steps)})"
         )
     if num_draft_tokens < 2:
-        raise ValueError(f"--speculative-num-draft-tokens must be >= 2 for a tree, got {num_draft_tokens}")
+        raise ValueError(
+            f"--speculative-num-draft-tokens must be >= 2 for a tree, got {num_draft_tokens}"
+        )
     check_draft_token_cap(num_draft_tokens)
     limit = max_tree_draft_tokens(topk, num_steps)
     if num_draft_tokens > limit:
@@ -182,7 +312,11 @@ class DraftShape(NamedTuple):
 
 
 def _default_tree_draft_tokens(topk: int, num_steps: int) -> int:
-    return min(max(2 * topk, num_steps + 1), max_tree_draft_tokens(topk, num_steps), MAX_DRAFT_TOKENS)
+    return min(
+        max(2 * topk, num_steps + 1),
+        max_tree_draft_tokens(topk, num_steps),
+        MAX_DRAFT_TOKENS,
+    )
 
 
 def _min_tree_steps(topk: int, num_draft_tokens: int) -> int:
@@ -192,10 +326,16 @@ def _min_tree_steps(topk: int, num_draft_tokens: int) -> int:
     return 1 + -(-(num_draft_tokens - 1 - topk) // (topk * topk))
 
 
-def _derive(topk: Optional[int], num_steps: Optional[int], num_draft_tokens: Optional[int]) -> tuple[int, int, int]:
+def _derive(
+    topk: Optional[int], num_steps: Optional[int], num_draft_tokens: Optional[int]
+) -> tuple[int, int, int]:
     if topk is None:
         if num_steps is None:
-            chain = f"1 for a chain of {num_draft_tokens - 1} steps, or " if num_draft_tokens >= 2 else ""
+            chain = (
+                f"1 for a chain of {num_draft_tokens - 1} steps, or "
+                if num_draft_tokens >= 2
+                else ""
+            )
             raise ValueError(
                 f"{DRAFT_TOKENS_FLAG} {num_draft_tokens} alone does not give the draft's shape: "
                 f"set {TOPK_FLAG} ({chain}> 1 for a tree)"
@@ -211,14 +351,18 @@ def _derive(topk: Optional[int], num_steps: Optional[int], num_draft_tokens: Opt
             num_steps = DEFAULT_TREE_STEPS
         elif topk == 1:
             if num_draft_tokens < 2:
-                raise ValueError(f"{DRAFT_TOKENS_FLAG} must be >= 2 for a chain (steps + 1), got {num_draft_tokens}")
+                raise ValueError(
+                    f"{DRAFT_TOKENS_FLAG} must be >= 2 for a chain (steps + 1), got {num_draft_tokens}"
+                )
             num_steps = num_draft_tokens - 1
         elif num_draft_tokens <= max_tree_draft_tokens(topk, DEFAULT_TREE_STEPS):
             num_steps = DEFAULT_TREE_STEPS
         else:
             num_steps = _min_tree_steps(topk, num_draft_tokens)
     if num_draft_tokens is None:
-        num_draft_tokens = num_steps + 1 if topk == 1 else _default_tree_draft_tokens(topk, num_steps)
+        num_draft_tokens = (
+            num_steps + 1 if topk == 1 else _default_tree_draft_tokens(topk, num_steps)
+        )
     return topk, num_steps, num_draft_tokens
 
 
@@ -242,11 +386,17 @@ def complete_shape(
     - tokens alone, or steps and tokens other than steps + 1: a ValueError (the width is unknown).
     Values < 1 and shapes the draft worker cannot run are ValueErrors naming the flag.
     """
-    given = {TOPK_FLAG: topk, STEPS_FLAG: num_steps, DRAFT_TOKENS_FLAG: num_draft_tokens}
+    given = {
+        TOPK_FLAG: topk,
+        STEPS_FLAG: num_steps,
+        DRAFT_TOKENS_FLAG: num_draft_tokens,
+    }
     if all(value is None for value in given.values()):
         num_steps, topk, num_draft_tokens = auto()
         check_shape(topk, num_steps, num_draft_tokens)
-        return DraftShape(topk, num_steps, num_draft_tokens, derived=(), auto_chosen=True)
+        return DraftShape(
+            topk, num_steps, num_draft_tokens, derived=(), auto_chosen=True
+        )
     for flag, value in given.items():
         if value is not None:
             check_at_least_one(flag, value)
@@ -256,7 +406,9 @@ def complete_shape(
     return DraftShape(*shape, derived=derived, auto_chosen=False)
 
 
-def complete_eagle_shape(server_args: ServerArgs, auto_choose: Callable[[ServerArgs], tuple[int, int, int]]) -> None:
+def complete_eagle_shape(
+    server_args: ServerArgs, auto_choose: Callable[[ServerArgs], tuple[int, int, int]]
+) -> None:
     """Fill unset --speculative-eagle-topk / -num-steps / -num-draft-tokens (see complete_shape).
 
     auto_choose is upstream's auto_choose_speculative_params, called only when none is set.
@@ -271,11 +423,18 @@ def complete_eagle_shape(server_args: ServerArgs, auto_choose: Callable[[ServerA
     server_args.speculative_num_steps = shape.num_steps
     server_args.speculative_num_draft_tokens = shape.num_draft_tokens
     if shape.derived:
-        values = ((TOPK_FLAG, shape.topk), (STEPS_FLAG, shape.num_steps), (DRAFT_TOKENS_FLAG, shape.num_draft_tokens))
+        values = (
+            (TOPK_FLAG, shape.topk),
+            (STEPS_FLAG, shape.num_steps),
+            (DRAFT_TOKENS_FLAG, shape.num_draft_tokens),
+        )
         logger.warning(
             "%s draft shape completed: %s",
             server_args.speculative_algorithm,
-            " ".join(f"{flag} {value}" + (" (derived)" if flag in shape.derived else "") for flag, value in values),
+            " ".join(
+                f"{flag} {value}" + (" (derived)" if flag in shape.derived else "")
+                for flag, value in values
+            ),
         )
 
 
@@ -284,14 +443,20 @@ def complete_eagle_shape(server_args: ServerArgs, auto_choose: Callable[[ServerA
 
 def recurrent_layer_reason(hf_config) -> Optional[str]:
     """Why the target keeps recurrent state (mamba / linear attention), or None."""
-    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text_config = (
+        hf_config.get_text_config()
+        if hasattr(hf_config, "get_text_config")
+        else hf_config
+    )
     for config in (hf_config, text_config):
         name = type(config).__name__
         if name in _RECURRENT_CONFIG_CLASSES:
             return f"the target ({name}) has mamba / linear-attention layers"
         for field in ("layer_types", "layers_block_type"):
             layer_types = getattr(config, field, None) or ()
-            found = sorted({str(t).lower() for t in layer_types} & _RECURRENT_LAYER_TYPES)
+            found = sorted(
+                {str(t).lower() for t in layer_types} & _RECURRENT_LAYER_TYPES
+            )
             if found:
                 return f"the target has {'/'.join(found)} layers ({field})"
     return None
@@ -327,23 +492,34 @@ def choose_spec_version(
     if page_size != 1:
         return SpecVersion(False, prefix + f"--page-size 1, got {page_size}")
     if recurrent_reason is not None:
-        return SpecVersion(False, prefix + f"a target without recurrent state; {recurrent_reason}")
+        return SpecVersion(
+            False, prefix + f"a target without recurrent state; {recurrent_reason}"
+        )
     if multi_layer:
-        return SpecVersion(False, prefix + "the single-layer draft worker; multi-layer EAGLE drafts chains")
+        return SpecVersion(
+            False,
+            prefix + "the single-layer draft worker; multi-layer EAGLE drafts chains",
+        )
     attention_backends = set(attention_backends)
     unsupported = sorted(attention_backends - SPEC_V2_TREE_ATTENTION_BACKENDS)
     if unsupported:
         return SpecVersion(
             False,
-            prefix + f"an attention backend in {sorted(SPEC_V2_TREE_ATTENTION_BACKENDS)}, "
+            prefix
+            + f"an attention backend in {sorted(SPEC_V2_TREE_ATTENTION_BACKENDS)}, "
             f"got {', '.join(unsupported)}",
         )
-    on_mla = sorted(attention_backends & MLA_TREE_V1_BACKENDS.keys()) if mla_target else []
+    on_mla = (
+        sorted(attention_backends & MLA_TREE_V1_BACKENDS.keys()) if mla_target else []
+    )
     if on_mla:
         return SpecVersion(
             False,
             prefix
-            + "; ".join(f"a non-MLA target for the {b} attention backend: {MLA_TREE_V1_BACKENDS[b]}" for b in on_mla),
+            + "; ".join(
+                f"a non-MLA target for the {b} attention backend: {MLA_TREE_V1_BACKENDS[b]}"
+                for b in on_mla
+            ),
         )
     return SpecVersion(True, None)
 
@@ -362,7 +538,9 @@ def _attention_backends(server_args: ServerArgs) -> set[str]:
     }
 
 
-def handle_eagle_family(server_args: ServerArgs, hf_config, spec_v2_env_enabled: bool) -> None:
+def handle_eagle_family(
+    server_args: ServerArgs, hf_config, spec_v2_env_enabled: bool
+) -> None:
     """Validate the draft shape and pick spec v1/v2 (sets disable_overlap_schedule).
 
     Called after speculative_num_steps / topk / num_draft_tokens are resolved (complete_eagle_shape).

@@ -23,6 +23,7 @@ Modules, in reading order:
 from sglang.srt.kv_canary.api import (
     active_step,
     capturing,
+    check_canary_settings,
     draft_extend_brackets,
     install_kv_canary,
     on_free,
@@ -37,8 +38,16 @@ from sglang.srt.kv_canary.manager import (
     CanaryManager,
     flush_deferred_findings,
 )
-from sglang.srt.kv_canary.report import KVCanaryViolationError, Violation, kv_canary_stats
-from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord, move_fingerprints
+from sglang.srt.kv_canary.report import (
+    KVCanaryViolationError,
+    Violation,
+    kv_canary_stats,
+)
+from sglang.srt.kv_canary.tables import (
+    FingerprintGroup,
+    RequestRecord,
+    move_fingerprints,
+)
 
 __all__ = [
     "CanaryBracketError",
@@ -51,6 +60,7 @@ __all__ = [
     "Violation",
     "active_step",
     "capturing",
+    "check_canary_settings",
     "draft_extend_brackets",
     "flush_deferred_findings",
     "install_kv_canary",

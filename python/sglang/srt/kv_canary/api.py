@@ -1,5 +1,6 @@
 """What upstream call sites use: the factory, and one-line helpers that accept None.
 
+    check_canary_settings(server_args.kv_canary, ...)          # ServerArgs, before any GPU work
     self.kv_canary = install_kv_canary(self, server_args)     # ModelRunner, after its pools
     with outside_graph(self.kv_canary, forward_batch):         # host side of one forward
         pre_ops(self.kv_canary, forward_batch)                 # in the forward / graph capture
@@ -12,21 +13,30 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
-from typing import ContextManager, Iterable, Iterator, Optional
+from typing import ContextManager, Iterable, Iterator, Mapping, Optional
 
 import torch
-
 from sglang.srt.kv_canary.config import CanaryConfig, parse_canary_config
-from sglang.srt.kv_canary.faults import FaultInjector, parse_fault_config
+from sglang.srt.kv_canary.draft_feed import draft_token_offset, speculative_worker_class
+from sglang.srt.kv_canary.faults import ENV_FAULT, FaultInjector, parse_fault_config
 from sglang.srt.kv_canary.manager import CanaryManager
-from sglang.srt.kv_canary.tables import IDENTITY_CONTENT, IDENTITY_REQUEST, shared_record
+from sglang.srt.kv_canary.tables import (
+    IDENTITY_CONTENT,
+    IDENTITY_REQUEST,
+    shared_record,
+)
 
 logger = logging.getLogger("sglang.srt.kv_canary")
 
 # Call sites that only hold a KV pool or the allocator find the canary here (empty when off).
-_canary_of_pool: "weakref.WeakKeyDictionary[object, CanaryManager]" = weakref.WeakKeyDictionary()
-_canary_of_allocator: "weakref.WeakKeyDictionary[object, CanaryManager]" = weakref.WeakKeyDictionary()
+_canary_of_pool: "weakref.WeakKeyDictionary[object, CanaryManager]" = (
+    weakref.WeakKeyDictionary()
+)
+_canary_of_allocator: "weakref.WeakKeyDictionary[object, CanaryManager]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def install_kv_canary(
@@ -40,14 +50,18 @@ def install_kv_canary(
     """The runner's canary, or None when off (nothing allocated).
 
     Call after the runner's req_to_token and KV pools exist and before its CUDA graphs are
-    captured. A draft runner (model_runner.is_draft_worker) gets token offset 1 and one single
+    captured. A draft runner (model_runner.is_draft_worker) gets the token offset its worker's
+    draft extend implies (draft_feed: 1 for EAGLE, EAGLE3 and STANDALONE) and one single
     forward per inner draft step (speculative_num_steps - 1, at least 1); a multi-layer EAGLE
     layer runner (model_runner.draft_model_idx = i) gets offset 1 + i and one single forward.
+    A draft runner whose worker's draft extend the canary does not know is left unchecked
+    (None, with a warning): a guessed offset would report every healthy read.
     """
     if config is None:
         # --kv-canary / --kv-canary-sample-every when given, else the environment.
         config = parse_canary_config(
-            getattr(server_args, "kv_canary", None), getattr(server_args, "kv_canary_sample_every", None)
+            getattr(server_args, "kv_canary", None),
+            getattr(server_args, "kv_canary_sample_every", None),
         )
     if not config.enabled:
         return None
@@ -56,9 +70,25 @@ def install_kv_canary(
     # Multi-layer EAGLE (MTP): one runner per draft layer, each running once per round; layer i
     # is fed ids rotated i + 1 times.
     layer = getattr(model_runner, "draft_model_idx", None) if is_draft else None
+    name = group_name or (
+        "target"
+        if not is_draft
+        else "draft" if layer is None else f"draft layer {layer}"
+    )
     if token_offset is None:
-        token_offset = _draft_token_offset(server_args) + (layer or 0) if is_draft else 0
-    name = group_name or ("target" if not is_draft else "draft" if layer is None else f"draft layer {layer}")
+        token_offset = draft_token_offset(server_args, layer) if is_draft else 0
+        if token_offset is None:
+            worker_cls = speculative_worker_class(server_args)
+            worker = (
+                worker_cls.__name__
+                if worker_cls is not None
+                else "no speculative worker"
+            )
+            logger.warning(
+                f"KV canary off for {name}: its worker ({worker}) has a draft extend the canary "
+                "does not know (kv_canary/draft_feed.py), so which token its KV holds is unknown"
+            )
+            return None
     num_steps = int(getattr(server_args, "speculative_num_steps", None) or 1)
     num_single_forwards = max(1, num_steps - 1) if is_draft and layer is None else 1
     # The prefix cache shares slots between requests, so fingerprints carry content identity
@@ -69,7 +99,11 @@ def install_kv_canary(
     pool = model_runner.token_to_kv_pool
     record = shared_record(model_runner.req_to_token_pool, identity)
     group = record.register_group(
-        pool, name, is_draft=is_draft, token_offset=token_offset, num_slots=_num_slots(pool)
+        pool,
+        name,
+        is_draft=is_draft,
+        token_offset=token_offset,
+        num_slots=_num_slots(pool),
     )
     fault = parse_fault_config()
     manager = CanaryManager(
@@ -78,26 +112,46 @@ def install_kv_canary(
         group=group,
         num_single_forwards=num_single_forwards,
         impl=_impl_for(record.device),
-        fault_injector=FaultInjector(fault) if fault is not None and not is_draft else None,
+        fault_injector=(
+            FaultInjector(fault) if fault is not None and not is_draft else None
+        ),
     )
     _canary_of_pool[pool] = manager
     allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
     if allocator is not None and allocator not in _canary_of_allocator:
-        _canary_of_allocator[allocator] = manager  # any manager: frees poison every group
+        # Any manager will do: a free poisons the slots in every group.
+        _canary_of_allocator[allocator] = manager
     logger.info(
         f"KV canary on for {name}: mode={config.mode.value} identity={identity} "
         f"token_offset={token_offset} single_forwards={num_single_forwards} "
         f"sample_every={config.sample_every} sample_fraction={config.sample_fraction}"
-        + (f" fault={fault.kind.value}@{fault.trigger_step}" if manager.fault_injector else "")
+        + (
+            f" fault={fault.kind.value}@{fault.trigger_step}"
+            if manager.fault_injector
+            else ""
+        )
     )
     return manager
 
 
-def _draft_token_offset(server_args) -> int:
-    # EAGLE-family drafts are fed token p + 1 at position p (their input ids are rotated);
-    # a standalone draft model is an ordinary LM fed token p.
-    algorithm = str(getattr(server_args, "speculative_algorithm", "") or "").upper()
-    return 0 if algorithm == "STANDALONE" else 1
+def check_canary_settings(
+    mode: Optional[str],
+    sample_every: Optional[int],
+    env: Optional[Mapping[str, str]] = None,
+) -> CanaryConfig:
+    """Every canary setting, flags and environment, checked in ServerArgs.__post_init__: a bad
+    one is a ValueError naming its flag or variable before any GPU allocation, not at the
+    install after the pools exist. Fault injection is ignored, with a warning, while off.
+    """
+    env = os.environ if env is None else env
+    config = parse_canary_config(mode, sample_every, env=env)
+    if config.enabled:
+        parse_fault_config(env)
+    elif env.get(ENV_FAULT, "").strip():
+        logger.warning(
+            f"{ENV_FAULT} is set but the KV canary is off: no fault is injected"
+        )
+    return config
 
 
 def _num_slots(pool) -> int:
@@ -138,7 +192,9 @@ def active_step(manager: Optional[CanaryManager], index: int) -> ContextManager:
     return manager.with_active_single_forward_manager(index)
 
 
-def draft_extend_brackets(manager: Optional[CanaryManager], forward_batch) -> ContextManager:
+def draft_extend_brackets(
+    manager: Optional[CanaryManager], forward_batch
+) -> ContextManager:
     """Both brackets for a draft extend (one forward, on single forward 0)."""
     if manager is None:
         return contextlib.nullcontext()
@@ -147,7 +203,10 @@ def draft_extend_brackets(manager: Optional[CanaryManager], forward_batch) -> Co
 
 @contextlib.contextmanager
 def _both_brackets(manager: CanaryManager, forward_batch) -> Iterator[None]:
-    with manager.with_ops_outside_graph([0], forward_batch), manager.with_active_single_forward_manager(0):
+    with (
+        manager.with_ops_outside_graph([0], forward_batch),
+        manager.with_active_single_forward_manager(0),
+    ):
         yield
 
 
@@ -157,7 +216,9 @@ def capturing(manager: Optional[CanaryManager]) -> ContextManager:
     return manager.capturing()
 
 
-def pre_ops(manager: Optional[CanaryManager], forward_batch, step: Optional[int] = None) -> None:
+def pre_ops(
+    manager: Optional[CanaryManager], forward_batch, step: Optional[int] = None
+) -> None:
     """Verify + write for this forward; `step` activates that single forward around it (for a
     graph runner that calls model.forward directly, e.g. the draft-extend capture)."""
     if manager is None:

@@ -1,6 +1,6 @@
 """KV-canary settings: whether it runs, what a violation does, and how often reads are checked.
 
-    SGLANG_KV_CANARY                 off | log | raise   (default off)
+    SGLANG_KV_CANARY                 off | log | raise   (default off; any case, none = off)
     SGLANG_KV_CANARY_SAMPLE_EVERY    int >= 1            (default 1: check every forward)
     SGLANG_KV_CANARY_DEFERRED_DRAIN  0 | 1               (default 1: read findings back behind the
                                                           forward; 0: at once, a host sync per forward)
@@ -23,8 +23,24 @@ ENV_DEFERRED_DRAIN = "SGLANG_KV_CANARY_DEFERRED_DRAIN"
 
 class CanaryMode(enum.Enum):
     OFF = "off"
-    LOG = "log"  # log each violation, count it, keep serving
-    RAISE = "raise"  # log, then raise KVCanaryViolationError out of the forward's bracket
+    # log each violation, count it, keep serving
+    LOG = "log"
+    # log, then raise KVCanaryViolationError out of the forward's bracket
+    RAISE = "raise"
+
+
+# Every spelling --kv-canary and SGLANG_KV_CANARY accept (lower case; the input is lowered).
+# "none" is newer upstream sglang's name for off.
+MODE_SPELLINGS = {
+    "off": CanaryMode.OFF,
+    "none": CanaryMode.OFF,
+    "log": CanaryMode.LOG,
+    "raise": CanaryMode.RAISE,
+}
+
+# The flags whose explicit values parse_canary_config takes, named in its errors.
+MODE_FLAG = "--kv-canary"
+SAMPLE_EVERY_FLAG = "--kv-canary-sample-every"
 
 
 @dataclass(frozen=True)
@@ -59,23 +75,36 @@ def parse_canary_config(
     """Build the config from explicit values, falling back to the environment for unset ones.
 
     Explicit values come from --kv-canary / --kv-canary-sample-every; a bad value raises
-    ValueError naming the variable (or the flag's value) it came from.
+    ValueError naming the flag or the variable it came from. The mode is case-insensitive.
     """
     env = os.environ if env is None else env
-    mode_source = "mode" if mode is not None else ENV_MODE
+    mode_source = MODE_FLAG if mode is not None else ENV_MODE
     raw_mode = mode if mode is not None else env.get(ENV_MODE, "off")
     parsed_mode = _parse_mode(raw_mode, mode_source)
 
     if sample_every is not None and sample_fraction is not None:
         raise ValueError("give sample_every or sample_fraction, not both")
-    every_source = "sample_every" if sample_every is not None else ENV_SAMPLE_EVERY
-    raw_every = sample_every if sample_every is not None else env.get(ENV_SAMPLE_EVERY, "1")
+    every_source = SAMPLE_EVERY_FLAG if sample_every is not None else ENV_SAMPLE_EVERY
+    raw_every = (
+        sample_every if sample_every is not None else env.get(ENV_SAMPLE_EVERY, "1")
+    )
     every = _parse_sample_every(raw_every, every_source)
     fraction = None if sample_fraction is None else _parse_fraction(sample_fraction)
-    deferred_source = "deferred_drain" if deferred_drain is not None else ENV_DEFERRED_DRAIN
-    raw_deferred = deferred_drain if deferred_drain is not None else env.get(ENV_DEFERRED_DRAIN, "1")
+    deferred_source = (
+        "deferred_drain" if deferred_drain is not None else ENV_DEFERRED_DRAIN
+    )
+    raw_deferred = (
+        deferred_drain
+        if deferred_drain is not None
+        else env.get(ENV_DEFERRED_DRAIN, "1")
+    )
     deferred = _parse_bool(raw_deferred, deferred_source)
-    return CanaryConfig(mode=parsed_mode, sample_every=every, sample_fraction=fraction, deferred_drain=deferred)
+    return CanaryConfig(
+        mode=parsed_mode,
+        sample_every=every,
+        sample_fraction=fraction,
+        deferred_drain=deferred,
+    )
 
 
 def _parse_bool(raw: Union[bool, str], source: str) -> bool:
@@ -92,12 +121,12 @@ def _parse_bool(raw: Union[bool, str], source: str) -> bool:
 def _parse_mode(raw: Union[str, CanaryMode], source: str) -> CanaryMode:
     if isinstance(raw, CanaryMode):
         return raw
-    text = str(raw).strip().lower()
-    try:
-        return CanaryMode(text or "off")
-    except ValueError:
-        choices = "|".join(m.value for m in CanaryMode)
-        raise ValueError(f"{source}={raw!r}: expected one of {choices}") from None
+    text = str(raw).strip().lower() or "off"
+    if text not in MODE_SPELLINGS:
+        raise ValueError(
+            f"{source}={raw!r}: expected one of {'|'.join(MODE_SPELLINGS)}"
+        )
+    return MODE_SPELLINGS[text]
 
 
 def _parse_sample_every(raw: Union[int, str], source: str) -> int:
@@ -116,7 +145,9 @@ def _parse_fraction(raw: Union[float, str]) -> float:
     try:
         value = float(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"sample_fraction={raw!r}: expected a number in (0, 1]") from None
+        raise ValueError(
+            f"sample_fraction={raw!r}: expected a number in (0, 1]"
+        ) from None
     if not 0.0 < value <= 1.0:
         raise ValueError(f"sample_fraction={raw!r}: expected a number in (0, 1]")
     return value
