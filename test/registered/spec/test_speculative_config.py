@@ -396,36 +396,6 @@ def test_server_args_refuse_a_dp_attention_tree_without_cuda_graphs(pair):
             "it runs flashinfer_mla",
         ),
         (
-            dict(attention_backend="triton", speculative_draft_attention_backend="fa3"),
-            False,
-            "got fa3 (fa3's spec v2",
-        ),
-        (
-            dict(attention_backend="fa3", speculative_draft_attention_backend="triton"),
-            False,
-            "got fa3 (fa3's spec v2",
-        ),
-        (
-            dict(
-                attention_backend="triton", speculative_draft_attention_backend="triton"
-            ),
-            True,
-            None,
-        ),
-        (
-            dict(
-                attention_backend="flashinfer",
-                speculative_draft_attention_backend="triton",
-            ),
-            True,
-            None,
-        ),
-        (
-            dict(attention_backend="flashinfer", mla_target=True),
-            False,
-            "it runs flashinfer_mla",
-        ),
-        (
             dict(
                 attention_backend="triton",
                 speculative_draft_attention_backend="flashinfer",
