@@ -12,6 +12,10 @@ end in @BACKEND to run that config on another attention backend than --attention
 measured, it also prints tree v2 / v1 tok/s and tree / chain accept length per batch size;
 --ratios A/B,C/D prints tok/s ratios of any measured pairs. --replot results.json redraws
 the PNG only.
+
+Presets (specpatch.synth.PRESETS): toy, small, bench (1.21B) and llama8b (7.24B, Llama-3-8B's
+shape). The pair is made on the GPU the first time; --models DIR keeps it for later calls on a
+warm host. KV pools are sized by specpatch.engine.pool_tokens so that a 7B pair fits an H100.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: in
     spec, env = CONFIGS[config]
     rows = []
     kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes),
-                               attention_backend=backend)
+                               max_total_tokens=eng.pool_tokens_for(target), attention_backend=backend)
     with scoped_env(env), eng.engine(**kwargs) as e:
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
@@ -89,7 +93,7 @@ def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: in
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="toy")
+    parser.add_argument("--preset", default="toy", choices=sorted(synth.PRESETS))
     parser.add_argument("--agreement", type=float, default=0.7)
     parser.add_argument("--configs", default="none,chain,chain-general")
     parser.add_argument("--batch-sizes", default="1,8,32")

@@ -239,7 +239,8 @@ def profile_config(target, draft, name: str, bs: int, num_steps: int, vocab: int
     env = {**env, **(extra_env or {})}
     trace_dir = out_dir / name
     with bench_e2e.scoped_env(env), eng.engine(
-        **eng.engine_kwargs(target, draft, spec, max_running_requests=max(bs, 4), attention_backend=backend)
+        **eng.engine_kwargs(target, draft, spec, max_running_requests=max(bs, 4),
+                            max_total_tokens=eng.pool_tokens_for(target), attention_backend=backend)
     ) as e:
         prompts = eng.random_prompts(bs, vocab, seed=bs)
         warm = eng.best_of(e, prompts, 256, 1)
@@ -278,7 +279,7 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="bench")
+    p.add_argument("--preset", default="bench", choices=sorted(synth.PRESETS))
     p.add_argument("--agreement", type=float, default=0.7)
     p.add_argument("--configs", default="chain,tree,tree-v1")
     p.add_argument("--tree", default="4,3,8")

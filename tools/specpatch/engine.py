@@ -52,6 +52,26 @@ class SpecConfig:
         return f"{version}-{shape}-k{self.topk}s{self.num_steps}d{self.num_draft_tokens}"
 
 
+# What the synthetic pairs' KV pools may take: a 7B target's 14.5 GB of weights, this and the
+# draft's pool fit sglang's default static share (0.55) of an 80 GB H100.
+KV_POOL_BYTES = 16 << 30
+MAX_POOL_TOKENS = 1 << 18
+
+
+def pool_tokens(target_spec) -> int:
+    """max_total_tokens for a synthetic target (a synth.TargetSpec): 2^18 tokens, or fewer where
+    the target's KV for them would pass KV_POOL_BYTES. Sized from free memory instead, a tiny
+    model's pool would fill the GPU, twice with a draft; a 7B target's would not fit at 2^18."""
+    return min(MAX_POOL_TOKENS, KV_POOL_BYTES // target_spec.kv_bytes_per_token)
+
+
+def pool_tokens_for(target: Path) -> int:
+    """pool_tokens of the synthetic target written at `target`."""
+    from specpatch import synth
+
+    return pool_tokens(synth.TargetSpec(**synth.load_meta(target)["spec"]))
+
+
 def engine_kwargs(
     target: Path,
     draft: Optional[Path],

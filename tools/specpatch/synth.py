@@ -55,6 +55,11 @@ class TargetSpec:
         return self.hidden // self.num_heads
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """bf16 K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+    @property
     def num_params(self) -> int:
         h, kv = self.hidden, self.num_kv_heads * self.head_dim
         per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate + 2 * h
@@ -66,6 +71,8 @@ PRESETS = {
     "small": TargetSpec(num_layers=4, hidden=512, intermediate=1024, num_heads=8, num_kv_heads=4, vocab=4096),
     # TinyLlama-like shape with 24 layers and head_dim 128: ~1.21B params.
     "bench": TargetSpec(num_layers=24, hidden=2048, intermediate=5632, num_heads=16, num_kv_heads=4, vocab=32000),
+    # Llama-3-8B's shape with a 32000 vocab: ~7.24B params, 14.5 GB in bf16 (made on the GPU).
+    "llama8b": TargetSpec(num_layers=32, hidden=4096, intermediate=14336, num_heads=32, num_kv_heads=8, vocab=32000),
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from specpatch import engine as eng
 from specpatch import synth
 
 
@@ -156,6 +157,31 @@ def test_bench_preset_is_at_least_1b_params():
                                                  num_layers=spec.num_layers).items()
             if k not in ("architectures", "model_type", "dtype", "torch_dtype")}))
     assert sum(p.numel() for p in model.parameters()) == spec.num_params
+
+
+def test_llama8b_preset_is_llama_3_8b_shaped_and_its_pool_fits_an_h100():
+    spec = synth.PRESETS["llama8b"]
+    assert (spec.num_layers, spec.hidden, spec.intermediate, spec.num_heads, spec.num_kv_heads) == (
+        32, 4096, 14336, 32, 8)
+    with torch.device("meta"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**{
+            k: v for k, v in synth.llama_config(spec, architecture="LlamaForCausalLM",
+                                                 num_layers=spec.num_layers).items()
+            if k not in ("architectures", "model_type", "dtype", "torch_dtype")}))
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params == 7_241_732_096
+    # K and V, bf16, 32 layers x 8 KV heads x head_dim 128
+    assert spec.kv_bytes_per_token == 131072
+    tokens = eng.pool_tokens(spec)
+    assert 64 * (256 + 512) <= tokens < eng.MAX_POOL_TOKENS  # bs 64 of long requests fits
+    weights_and_kv = 2 * spec.num_params + tokens * spec.kv_bytes_per_token
+    assert weights_and_kv < 0.55 * 80e9 * 0.8  # leaves the draft, graphs and activations room
+
+
+def test_small_presets_keep_the_full_pool():
+    for name in ("toy", "small", "bench"):
+        assert eng.pool_tokens(synth.PRESETS[name]) == eng.MAX_POOL_TOKENS, name
 
 
 def test_cli_writes_both_dirs(tmp_path, capsys):
