@@ -401,3 +401,162 @@ def test_a_dense_draft_config_has_no_experts_to_capture():
             num_fused_shared_experts=0,
             device="cpu",
         )
+
+
+# --- a finished request returns the captures of the tokens it returns -----------------------
+#
+# Spec v2 commits a verify's accepted run, then checks the stop (Req.check_finished with
+# new_accepted_len): output_ids may run past max_new_tokens or a stop token, finished_len
+# marking where the returned output ends. The captures returned must end there too, or spec v2
+# returns longer arrays than no speculation (the GPU test's v2 cases, chains included).
+
+PROMPT = [11, 12, 13, 14, 15]
+VOCAB = 64
+
+
+def token_capture(token: int, num_layers: int, topk: int) -> torch.Tensor:
+    """The synthetic model's capture of a position: a function of its token alone."""
+    return (
+        token * 1000 + torch.arange(num_layers * topk, dtype=torch.int32)
+    ).view(num_layers, topk)
+
+
+class DecodedRequest:
+    """A real Req decoded as the scheduler does (process_batch_result_decode: extend
+    output_ids by each step's accepted tokens, then check_finished(new_accepted_len)), with
+    every position the model was fed written to the host caches at its KV slot."""
+
+    def __init__(self, steps: list[list[int]], **sampling):
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        params = SamplingParams(**sampling)
+        params.normalize(None)
+        self.req = Req(
+            "r", "", list(PROMPT), params, vocab_size=VOCAB, return_routed_experts=True
+        )
+        self.req.req_pool_idx = 0
+        for accepted in steps:
+            assert not self.req.finished(), "decoded past the finish"
+            self.req.output_ids.extend(accepted)
+            self.req.check_finished(len(accepted))
+        assert self.req.finished()
+        fed = PROMPT + self.req.output_ids[:-1]  # the last token is sampled, not fed
+        gen = torch.Generator().manual_seed(len(fed))
+        self.num_slots = 4 * len(fed)
+        slots = torch.randperm(self.num_slots, generator=gen)[: len(fed) + 1]
+        self.req_to_token = slots.view(1, -1)
+        self.experts = self._host_cache(fed, NUM_LAYERS, TOPK)
+        self.index_topk = self._host_cache(fed, INDEX_LAYERS, INDEX_TOPK)
+
+    def _host_cache(self, fed: list[int], num_layers: int, topk: int):
+        capturer = BaseTopkCapturer.__new__(BaseTopkCapturer)
+        capturer.host_cache = SimpleNamespace(
+            buffer=torch.full((self.num_slots, num_layers, topk), -1, dtype=torch.int32)
+        )
+        for position, token in enumerate(fed):
+            slot = self.req_to_token[0, position]
+            capturer.host_cache.buffer[slot] = token_capture(token, num_layers, topk)
+        return capturer
+
+    def collect(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the scheduler returns for the finished request: (routed experts, top-k)."""
+        from sglang.srt.managers.scheduler_output_processor_mixin import (
+            SchedulerOutputProcessorMixin as Mixin,
+        )
+        from sglang.srt.state_capturer import indexer_topk, routed_experts
+
+        saved = (
+            routed_experts.get_global_experts_capturer(),
+            indexer_topk.get_global_indexer_capturer(),
+        )
+        routed_experts.set_global_experts_capturer(self.experts)
+        indexer_topk.set_global_indexer_capturer(self.index_topk)
+        try:
+            scheduler = SimpleNamespace(
+                req_to_token_pool=SimpleNamespace(req_to_token=self.req_to_token)
+            )
+            Mixin.maybe_collect_routed_experts(scheduler, self.req)
+            Mixin.maybe_collect_indexer_topk(scheduler, self.req)
+        finally:
+            routed_experts.set_global_experts_capturer(saved[0])
+            indexer_topk.set_global_indexer_capturer(saved[1])
+        return self.req.routed_experts, self.req.indexer_topk
+
+
+def expected_captures(output: list[int], num_layers: int, topk: int) -> torch.Tensor:
+    fed = PROMPT + output[:-1]
+    return torch.stack([token_capture(t, num_layers, topk) for t in fed])
+
+
+OUTPUT = [21, 22, 23, 24, 25, 26]
+# (name, sampling params, spec v2 verify steps: accepted tokens per step, the returned output)
+OVERSHOOTS = [
+    # max_new_tokens 6 reached inside the second step's run of 4: 1 token past it.
+    (
+        "max-new-tokens",
+        dict(max_new_tokens=6, ignore_eos=True),
+        [OUTPUT[:3], OUTPUT[3:] + [27]],
+        OUTPUT,
+    ),
+    # Reached at the first token of a run of 3: 2 tokens past it.
+    (
+        "max-new-tokens-by-2",
+        dict(max_new_tokens=4, ignore_eos=True),
+        [OUTPUT[:3], OUTPUT[3:]],
+        OUTPUT[:4],
+    ),
+    # Stop token 23 is the first of a run of 3 accepted tokens.
+    (
+        "stop-token",
+        dict(max_new_tokens=32, stop_token_ids=[23]),
+        [OUTPUT[:2], OUTPUT[2:5]],
+        OUTPUT[:3],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "name,sampling,steps,returned", OVERSHOOTS, ids=[o[0] for o in OVERSHOOTS]
+)
+def test_spec_v2_overshoot_returns_the_captures_of_no_speculation(
+    name, sampling, steps, returned
+):
+    no_spec = DecodedRequest([[t] for t in returned], **sampling)
+    spec_v2 = DecodedRequest(steps, **sampling)
+    assert no_spec.req.output_ids_through_stop == returned
+    assert spec_v2.req.output_ids_through_stop == returned
+    assert len(spec_v2.req.output_ids) > len(returned), "the case does not overshoot"
+
+    got_experts, got_index_topk = spec_v2.collect()
+    want_experts, want_index_topk = no_spec.collect()
+    assert torch.equal(want_experts, expected_captures(returned, NUM_LAYERS, TOPK))
+    assert torch.equal(got_experts, want_experts)
+    assert torch.equal(
+        want_index_topk, expected_captures(returned, INDEX_LAYERS, INDEX_TOPK)
+    )
+    assert torch.equal(got_index_topk, want_index_topk)
+
+
+def test_read_by_req_seqlen_an_overshoot_returns_rows_the_user_never_got():
+    """The bug this guards: Req.seqlen counts output_ids past finished_len."""
+    spec_v2 = DecodedRequest(OVERSHOOTS[0][2], **OVERSHOOTS[0][1])
+    req = spec_v2.req
+    by_seqlen = spec_v2.experts.get_topk(
+        req_pool_idx=0,
+        seqlen=req.seqlen,
+        req_to_token_pool=SimpleNamespace(req_to_token=spec_v2.req_to_token),
+    )
+    assert by_seqlen.shape[0] == len(PROMPT) + len(OUTPUT)  # one row too many
+    assert spec_v2.collect()[0].shape[0] == len(PROMPT) + len(OUTPUT) - 1
+
+
+def test_returned_seqlen():
+    from sglang.srt.speculative.finished_captures import returned_seqlen
+
+    assert returned_seqlen(5, 7, None) == 12  # not finished, or finished at its last token
+    assert returned_seqlen(5, 7, 6) == 11  # spec v2 decoded one past the stop
+    assert returned_seqlen(5, 7, 7) == 12
+    assert returned_seqlen(5, 7, 9) == 12  # never more than it decoded
+    with pytest.raises(ValueError, match="non-negative"):
+        returned_seqlen(5, 7, -1)
