@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -143,6 +144,64 @@ def free_dp_port(rng: random.Random | None = None, attempts: int = 200) -> int:
     raise RuntimeError(f"no free DP-attention port block found in {attempts} attempts")
 
 
+class EngineChildFailed(SystemExit):
+    """One of an in-process Engine's child processes failed (a scheduler exception, a child
+    killed by a signal, the host's OOM killer included).
+
+    sglang answers with SIGQUIT to the Engine's process, whose handler SIGKILLs that process:
+    a pytest run then ends in "Killed", no traceback, and the children's log is lost in
+    pytest's capture (which looks like the kernel's OOM killer). engine() turns it into this
+    exception instead, carrying the tail of the captured log. A SystemExit, because asyncio
+    swallows anything else raised by its signal callback (the running phase's handler), and
+    pytest records it as the failure of the test that was running.
+    """
+
+
+# The modules whose SIGQUIT handlers call kill_process_tree(os.getpid()): the launch phase's
+# (Engine start-up) and the running phase's (TokenizerManager, once requests are served).
+_SELF_KILLERS = ("sglang.srt.entrypoints.engine", "sglang.srt.managers.tokenizer_manager")
+
+
+def captured_tail(fd: int = 2, limit: int = 4000) -> str:
+    """The last `limit` bytes written to `fd` when it is a regular file (pytest's capfd, a
+    redirect), else "" (a terminal or a pipe keeps the log anyway)."""
+    try:
+        size = os.fstat(fd).st_size if stat.S_ISREG(os.fstat(fd).st_mode) else 0
+        start = max(0, size - limit)
+        return os.pread(fd, size - start, start).decode(errors="replace") if size else ""
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def child_failure_raises() -> Iterator[None]:
+    """While open, sglang's "kill this process" on a child's failure kills the children only
+    and raises EngineChildFailed in this process."""
+    import importlib
+
+    from sglang.srt.utils.common import kill_process_tree as kill
+
+    modules = [importlib.import_module(name) for name in _SELF_KILLERS]
+    originals = [module.kill_process_tree for module in modules]
+
+    def kill_process_tree(parent_pid, include_parent: bool = True, *args, **kwargs):
+        if parent_pid != os.getpid() or not include_parent:
+            return kill(parent_pid, include_parent, *args, **kwargs)
+        kill(parent_pid, False)
+        raise EngineChildFailed(
+            "an sglang child process failed; sglang would have SIGKILLed this process "
+            "(pytest: 'Killed', no traceback). Tail of the captured stderr:\n" + captured_tail()
+        )
+
+    for module in modules:
+        module.kill_process_tree = kill_process_tree
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module.kill_process_tree = original
+
+
 @contextlib.contextmanager
 def engine(**kwargs) -> Iterator[object]:
     import sglang as sgl
@@ -150,17 +209,18 @@ def engine(**kwargs) -> Iterator[object]:
 
     if kwargs.get("enable_dp_attention"):
         kwargs.setdefault("port", free_dp_port())
-    try:
-        eng = sgl.Engine(**kwargs)
-    except BaseException:
-        # A scheduler that died during start-up leaves its siblings (and their GPU memory)
-        # behind; the next test in this process must not inherit them.
-        kill_process_tree(os.getpid(), include_parent=False)
-        raise
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
+    with child_failure_raises():
+        try:
+            eng = sgl.Engine(**kwargs)
+        except BaseException:
+            # A scheduler that died during start-up leaves its siblings (and their GPU memory)
+            # behind; the next test in this process must not inherit them.
+            kill_process_tree(os.getpid(), include_parent=False)
+            raise
+        try:
+            yield eng
+        finally:
+            eng.shutdown()
 
 
 @contextlib.contextmanager

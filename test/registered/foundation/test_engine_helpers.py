@@ -70,6 +70,8 @@ def test_free_dp_port_gives_up_with_a_clear_error():
 
 def test_a_failed_engine_start_kills_its_child_processes(monkeypatch):
     import sglang
+    import sglang.srt.entrypoints.engine  # noqa: F401  (imported first, they bind the real
+    import sglang.srt.managers.tokenizer_manager  # noqa: F401  kill_process_tree, not the fake)
     import sglang.srt.utils
 
     killed = []
@@ -111,3 +113,64 @@ def test_dp_attention_engines_get_a_port_of_their_own(monkeypatch):
     with eng.engine(model_path="unused"):
         pass
     assert "port" not in seen  # without DP attention sglang uses IPC, and its default port
+
+
+
+def _child_then_sigquit(wait, returncodes: list):
+    """Start a `sleep` child, then `wait(send)`, where send() SIGQUITs this process as sglang's
+    failing children do; the child's return code goes to `returncodes`."""
+    import signal
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        wait(lambda: os.kill(os.getpid(), signal.SIGQUIT))
+    finally:
+        try:
+            returncodes.append(child.wait(timeout=5))
+        except subprocess.TimeoutExpired:  # not killed
+            returncodes.append(None)
+            child.kill()
+            child.wait()
+
+
+def test_a_failing_child_fails_the_test_instead_of_killing_pytest(capfd):
+    """sglang's SIGQUIT handlers kill_process_tree(os.getpid()): SIGKILL of the Engine's own
+    process, i.e. pytest ("Killed", no traceback, the children's log lost in the capture).
+    Inside engine() they kill the children and raise, in the launch phase (a signal.signal
+    handler) and the running phase (an asyncio signal callback, which swallows Exceptions)."""
+    import asyncio
+    import signal
+    import time
+
+    import sglang.srt.entrypoints.engine as engine_mod
+    import sglang.srt.managers.tokenizer_manager as tm_mod
+
+    originals = engine_mod.kill_process_tree, tm_mod.kill_process_tree
+    previous = signal.getsignal(signal.SIGQUIT)
+    os.write(2, b"Scheduler hit an exception: AttributeError: no chain_drafts\n")
+    returncodes: list = []
+    loop = asyncio.new_event_loop()
+    try:
+        with eng.child_failure_raises():
+            # Launch phase: Engine.__init__ waits on its scheduler's pipe.
+            signal.signal(signal.SIGQUIT, lambda *_: engine_mod.kill_process_tree(os.getpid()))
+            with pytest.raises(eng.EngineChildFailed, match="no chain_drafts"):
+                _child_then_sigquit(lambda send: (send(), time.sleep(5)), returncodes)
+
+            # Running phase: Engine.generate runs the event loop.
+            loop.add_signal_handler(signal.SIGQUIT, lambda: tm_mod.kill_process_tree(os.getpid()))
+
+            def serve(send):
+                loop.call_later(0.05, send)
+                loop.run_until_complete(asyncio.sleep(5))
+
+            with pytest.raises(eng.EngineChildFailed, match="no chain_drafts"):
+                _child_then_sigquit(serve, returncodes)
+    finally:
+        loop.remove_signal_handler(signal.SIGQUIT)
+        loop.close()
+        signal.signal(signal.SIGQUIT, previous)
+    assert returncodes == [-signal.SIGKILL] * 2  # the children were killed, this process lives
+    assert (engine_mod.kill_process_tree, tm_mod.kill_process_tree) == originals  # put back
+    capfd.readouterr()

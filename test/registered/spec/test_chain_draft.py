@@ -188,3 +188,59 @@ def test_topk_above_one_never_uses_the_chain():
     table = ChainDraftTable(topk=4, max_bs=8, device="cpu")
     table.prepare(3, 8)  # no chain shape check for trees
     assert table.lookup(3, 1) is None
+
+
+@pytest.mark.parametrize("worker_cls_path", [
+    "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker",
+    # Its __init__ does not call EagleDraftWorker's: a table made only there was missing, and
+    # every STANDALONE v2 engine died in init_cuda_graphs (AttributeError: chain_drafts).
+    "sglang.srt.speculative.standalone_worker_v2:StandaloneDraftWorker",
+])
+def test_v2_draft_worker_init_makes_the_chain_table(worker_cls_path, monkeypatch):
+    """The real __init__ (model loading and attention backends faked) leaves a draft worker
+    whose topk=1 draft_forward takes the chain path."""
+    import importlib
+
+    from sglang.srt.layers.moe import utils as moe_utils
+    from sglang.srt.speculative import eagle_worker_v2
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    module_name, cls_name = worker_cls_path.split(":")
+    module = importlib.import_module(module_name)
+    worker_cls = getattr(module, cls_name)
+    num_steps, bs = 3, 5
+    server_args = SimpleNamespace(
+        device="cpu",
+        speculative_algorithm="STANDALONE" if cls_name.startswith("Standalone") else "EAGLE",
+        speculative_eagle_topk=1, speculative_num_steps=num_steps,
+        speculative_num_draft_tokens=num_steps + 1, speculative_token_map=None,
+        disable_cuda_graph=True, enable_dp_attention=False, model_impl="auto",
+        cuda_graph_max_bs=8, max_running_requests=8,
+    )
+    runner = TableDraftRunner(VOCAB)
+    runner.server_args, runner.tp_group = server_args, None
+    runner.model = SimpleNamespace(set_embed_and_head=lambda embed, head: None)
+    target_runner = SimpleNamespace(
+        memory_pool_config=None,
+        model=SimpleNamespace(get_embed_and_head=lambda: (None, None)),
+    )
+    target_worker = SimpleNamespace(
+        model_runner=target_runner, get_memory_pool=lambda: (object(), object())
+    )
+    backends = SimpleNamespace(attn_backends=[object()] * num_steps)
+    factory = SimpleNamespace(create_decode_backend=lambda: backends, create_draft_extend_backend=lambda: None)
+    monkeypatch.setattr(module, "TpModelWorker", lambda **kwargs: SimpleNamespace(model_runner=runner))
+    monkeypatch.setattr(eagle_worker_v2, "DraftBackendFactory", lambda *args: factory)
+    # Process-wide state the constructors set: put back afterwards.
+    monkeypatch.setattr(EagleDraftInput, "ALLOC_LEN_PER_DECODE", None, raising=False)
+    monkeypatch.setattr(moe_utils, "SPECULATIVE_MOE_RUNNER_BACKEND", moe_utils.SPECULATIVE_MOE_RUNNER_BACKEND)
+    monkeypatch.setattr(moe_utils, "SPECULATIVE_MOE_A2A_BACKEND", moe_utils.SPECULATIVE_MOE_A2A_BACKEND)
+
+    worker = worker_cls(server_args, 0, 0, 0, 0, 0, 0, 0, target_worker)
+
+    assert worker.chain_drafts.lookup(num_steps, bs) is not None
+    (parents, indices, tokens), _ = run_draft_forward(worker, bs, num_steps)
+    reference = make_worker(num_steps, max_bs=8)
+    (ref_parents, ref_indices, ref_tokens), _ = run_draft_forward(reference, bs, num_steps)
+    assert (parents.tolist(), indices.tolist(), tokens.tolist()) == (
+        ref_parents.tolist(), ref_indices.tolist(), ref_tokens.tolist())
