@@ -17,13 +17,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from specpatch.fake_draft import DenseDraftRunner, make_draft_worker, make_forward_batch  # noqa: E402
+from specpatch.fake_draft import (  # noqa: E402
+    DenseDraftRunner,
+    make_draft_worker,
+    make_forward_batch,
+)
 
 
 def time_ms(fn, iters: int) -> float:
     for _ in range(10):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+        enable_timing=True
+    )
     torch.cuda.synchronize()
     start.record()
     for _ in range(iters):
@@ -65,31 +71,59 @@ def main() -> None:
         row = {"bs": bs}
         outputs = {}
         for path in ("chain", "general"):
-            worker = make_draft_worker(EagleDraftWorker, runner, num_steps=args.num_steps, max_bs=64,
-                                       chain=path == "chain", device="cuda")
-            batch = make_forward_batch(bs, args.num_steps, vocab_size=args.vocab, hidden=args.hidden,
-                                       device="cuda", dtype=torch.bfloat16)
-            positions, out_cache_loc, hidden = batch.positions.clone(), batch.out_cache_loc, batch.spec_info.hidden_states
+            worker = make_draft_worker(
+                EagleDraftWorker,
+                runner,
+                num_steps=args.num_steps,
+                max_bs=64,
+                chain=path == "chain",
+                device="cuda",
+            )
+            batch = make_forward_batch(
+                bs,
+                args.num_steps,
+                vocab_size=args.vocab,
+                hidden=args.hidden,
+                device="cuda",
+                dtype=torch.bfloat16,
+            )
+            positions, out_cache_loc, hidden = (
+                batch.positions.clone(),
+                batch.out_cache_loc,
+                batch.spec_info.hidden_states,
+            )
 
             def step():
                 # draft_forward advances these in place, as in production (the graph runner restores them too)
                 batch.positions.copy_(positions)
-                batch.out_cache_loc, batch.spec_info.hidden_states = out_cache_loc, hidden
+                batch.out_cache_loc, batch.spec_info.hidden_states = (
+                    out_cache_loc,
+                    hidden,
+                )
                 return worker.draft_forward(batch)
 
             outputs[path] = [t.clone() for t in step()]
             row[f"{path}_eager_ms"] = time_ms(step, args.iters)
             row[f"{path}_graph_ms"] = time_ms(graphed(step), args.iters)
-        row["same_outputs"] = all(torch.equal(a.long(), b.long()) for a, b in zip(outputs["chain"], outputs["general"]))
+        row["same_outputs"] = all(
+            torch.equal(a.long(), b.long())
+            for a, b in zip(outputs["chain"], outputs["general"])
+        )
         row["eager_speedup"] = row["general_eager_ms"] / row["chain_eager_ms"]
         row["graph_speedup"] = row["general_graph_ms"] / row["chain_graph_ms"]
         rows.append(row)
 
-    print(f"draft_forward, topk=1, num_steps={args.num_steps}, dense fake draft h={args.hidden} vocab={args.vocab}")
-    print(f"{'bs':>4} {'chain eager':>12} {'general eager':>14} {'speedup':>8} {'chain graph':>12} {'general graph':>14} {'speedup':>8} same")
+    print(
+        f"draft_forward, topk=1, num_steps={args.num_steps}, dense fake draft h={args.hidden} vocab={args.vocab}"
+    )
+    print(
+        f"{'bs':>4} {'chain eager':>12} {'general eager':>14} {'speedup':>8} {'chain graph':>12} {'general graph':>14} {'speedup':>8} same"
+    )
     for r in rows:
-        print(f"{r['bs']:>4} {r['chain_eager_ms']:>10.3f}ms {r['general_eager_ms']:>12.3f}ms {r['eager_speedup']:>7.2f}x "
-              f"{r['chain_graph_ms']:>10.3f}ms {r['general_graph_ms']:>12.3f}ms {r['graph_speedup']:>7.2f}x {r['same_outputs']}")
+        print(
+            f"{r['bs']:>4} {r['chain_eager_ms']:>10.3f}ms {r['general_eager_ms']:>12.3f}ms {r['eager_speedup']:>7.2f}x "
+            f"{r['chain_graph_ms']:>10.3f}ms {r['general_graph_ms']:>12.3f}ms {r['graph_speedup']:>7.2f}x {r['same_outputs']}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -43,7 +43,10 @@ CONFIGS = {
 
 def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
     CONFIGS["tree"] = (eng.SpecConfig(topk, num_steps, num_draft_tokens), {})
-    CONFIGS["tree-v1"] = (eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False), {})
+    CONFIGS["tree-v1"] = (
+        eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
+        {},
+    )
 
 
 @contextlib.contextmanager
@@ -68,26 +71,48 @@ def ensure_pair(models: str | None, preset: str, agreement: float) -> tuple[Path
 
 
 def split_config(name: str, default_backend: str) -> tuple[str, str]:
-    """"tree@flashinfer" -> ("tree", "flashinfer"); "tree" -> ("tree", default_backend)."""
+    """ "tree@flashinfer" -> ("tree", "flashinfer"); "tree" -> ("tree", default_backend)."""
     config, _, backend = name.partition("@")
     if config not in CONFIGS:
         raise SystemExit(f"unknown config {config!r} (one of {', '.join(CONFIGS)})")
     return config, backend or default_backend
 
 
-def measure(target, draft, name: str, batch_sizes: list[int], max_new_tokens: int, vocab: int,
-            repeats: int = 3, attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"]) -> list[dict]:
+def measure(
+    target,
+    draft,
+    name: str,
+    batch_sizes: list[int],
+    max_new_tokens: int,
+    vocab: int,
+    repeats: int = 3,
+    attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"],
+) -> list[dict]:
     config, backend = split_config(name, attention_backend)
     spec, env = CONFIGS[config]
     rows = []
-    kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=max(batch_sizes),
-                               max_total_tokens=eng.pool_tokens_for(target), attention_backend=backend)
+    kwargs = eng.engine_kwargs(
+        target,
+        draft,
+        spec,
+        max_running_requests=max(batch_sizes),
+        max_total_tokens=eng.pool_tokens_for(target),
+        attention_backend=backend,
+    )
     with scoped_env(env), eng.engine(**kwargs) as e:
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
-            best = eng.best_of(e, eng.random_prompts(bs, vocab, seed=bs), max_new_tokens, repeats)
-            rows.append({"config": name, "bs": bs, "tok_per_s": best.tok_per_s,
-                         "accept_length": best.accept_length if spec else 1.0})
+            best = eng.best_of(
+                e, eng.random_prompts(bs, vocab, seed=bs), max_new_tokens, repeats
+            )
+            rows.append(
+                {
+                    "config": name,
+                    "bs": bs,
+                    "tok_per_s": best.tok_per_s,
+                    "accept_length": best.accept_length if spec else 1.0,
+                }
+            )
     return rows
 
 
@@ -101,22 +126,44 @@ def main() -> None:
     parser.add_argument("--models", help="directory for the pair (default: a temp dir)")
     parser.add_argument("--out")
     parser.add_argument("--png")
-    parser.add_argument("--tree", default="4,3,8", help="topk,num_steps,num_draft_tokens of the tree configs")
+    parser.add_argument(
+        "--tree",
+        default="4,3,8",
+        help="topk,num_steps,num_draft_tokens of the tree configs",
+    )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="start every config's engine this many times, alternating configs, and keep "
-                             "each cell's best: engine-to-engine spread is larger than the gaps compared")
-    parser.add_argument("--attention-backend", default=eng.BUNDLE_FLAGS["attention_backend"],
-                        help="the attention backend of configs without @BACKEND (fa3 needs sgl_kernel's "
-                             "flash_ops, flashinfer its JIT headers: README 'GPU tier')")
-    parser.add_argument("--ratios", default="", help="A/B,C/D: print tok/s of config A over config B per bs")
-    parser.add_argument("--replot", help="results.json of an earlier run: only draw --png")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="start every config's engine this many times, alternating configs, and keep "
+        "each cell's best: engine-to-engine spread is larger than the gaps compared",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default=eng.BUNDLE_FLAGS["attention_backend"],
+        help="the attention backend of configs without @BACKEND (fa3 needs sgl_kernel's "
+        "flash_ops, flashinfer its JIT headers: README 'GPU tier')",
+    )
+    parser.add_argument(
+        "--ratios",
+        default="",
+        help="A/B,C/D: print tok/s of config A over config B per bs",
+    )
+    parser.add_argument(
+        "--replot", help="results.json of an earlier run: only draw --png"
+    )
     args = parser.parse_args()
     if args.replot:
         rows = json.loads(Path(args.replot).read_text())
         names = list(dict.fromkeys(r["config"] for r in rows))
         # the run's own title, given the same --preset, --agreement and --tree
-        plot(rows, names, args.png, f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}")
+        plot(
+            rows,
+            names,
+            args.png,
+            f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}",
+        )
         return
     set_tree_shape(*(int(x) for x in args.tree.split(",")))
 
@@ -132,53 +179,95 @@ def main() -> None:
     per_round: dict[tuple, list] = {}  # (config, bs) -> tok/s of each round's engine
     for _ in range(args.rounds):
         for name in names:
-            for r in measure(target, draft, name, batch_sizes, args.max_new_tokens, vocab, repeats=args.repeats,
-                             **backend):
+            for r in measure(
+                target,
+                draft,
+                name,
+                batch_sizes,
+                args.max_new_tokens,
+                vocab,
+                repeats=args.repeats,
+                **backend,
+            ):
                 r["engines"] = args.rounds
                 per_round.setdefault((name, r["bs"]), []).append(r["tok_per_s"])
                 r["tok_per_s_per_round"] = per_round[name, r["bs"]]
-                if (name, r["bs"]) not in best or r["tok_per_s"] > best[name, r["bs"]]["tok_per_s"]:
+                if (name, r["bs"]) not in best or r["tok_per_s"] > best[name, r["bs"]][
+                    "tok_per_s"
+                ]:
                     best[name, r["bs"]] = r
             if args.out:  # a run cut short still leaves the engines it finished
                 Path(args.out).write_text(json.dumps(list(best.values()), indent=1))
     rows = sorted(best.values(), key=lambda r: (names.index(r["config"]), r["bs"]))
 
     base = names[0]
-    print(f"preset={args.preset} ({synth.load_meta(target)['num_params'] / 1e9:.2f}B) "
-          f"agreement={synth.load_meta(draft)['agreement']:.2f} max_new_tokens={args.max_new_tokens} "
-          f"attention_backend={args.attention_backend}")
+    print(
+        f"preset={args.preset} ({synth.load_meta(target)['num_params'] / 1e9:.2f}B) "
+        f"agreement={synth.load_meta(draft)['agreement']:.2f} max_new_tokens={args.max_new_tokens} "
+        f"attention_backend={args.attention_backend}"
+    )
     print(f"{'config':>14} {'bs':>4} {'tok/s':>9} {'accept':>7} {'vs ' + base:>10}")
     for r in rows:
         ref = next(x for x in rows if x["config"] == base and x["bs"] == r["bs"])
         r["ratio_vs_" + base] = r["tok_per_s"] / ref["tok_per_s"]
-        print(f"{r['config']:>14} {r['bs']:>4} {r['tok_per_s']:>9.1f} {r['accept_length']:>7.2f} {r['ratio_vs_' + base]:>9.2f}x")
+        print(
+            f"{r['config']:>14} {r['bs']:>4} {r['tok_per_s']:>9.1f} {r['accept_length']:>7.2f} {r['ratio_vs_' + base]:>9.2f}x"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     print_pair_ratios(rows, "tree", "tree-v1", "tok_per_s", "tree v2 / v1 tok/s")
     if args.rounds > 1:
         spread = round_ratios(per_round, "tree", "tree-v1")
         if spread:
-            print("tree v2 / v1 tok/s, each round's engines: " + ", ".join(
-                f"bs {bs} [{' '.join(f'{x:.2f}' for x in ratios)}]" for bs, ratios in spread.items()))
-    print_pair_ratios(rows, "tree", "chain", "accept_length", "tree / chain accept length")
+            print(
+                "tree v2 / v1 tok/s, each round's engines: "
+                + ", ".join(
+                    f"bs {bs} [{' '.join(f'{x:.2f}' for x in ratios)}]"
+                    for bs, ratios in spread.items()
+                )
+            )
+    print_pair_ratios(
+        rows, "tree", "chain", "accept_length", "tree / chain accept length"
+    )
     for pair in filter(None, args.ratios.split(",")):
         num, den = pair.split("/")
         print_pair_ratios(rows, num, den, "tok_per_s", f"{num} / {den} tok/s")
     if args.png:
-        plot(rows, names, args.png, f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}")
+        plot(
+            rows,
+            names,
+            args.png,
+            f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}",
+        )
 
 
-def round_ratios(per_round: dict[tuple, list], num: str, den: str) -> dict[int, list[float]]:
+def round_ratios(
+    per_round: dict[tuple, list], num: str, den: str
+) -> dict[int, list[float]]:
     """bs -> num / den tok/s of each round (the engines started next to each other): how far
     one round's ratio strays from another's, the noise that best-of-rounds smooths."""
-    return {bs: [a / b for a, b in zip(values, per_round[den, bs])]
-            for (name, bs), values in per_round.items() if name == num and (den, bs) in per_round}
+    return {
+        bs: [a / b for a, b in zip(values, per_round[den, bs])]
+        for (name, bs), values in per_round.items()
+        if name == num and (den, bs) in per_round
+    }
 
 
-def print_pair_ratios(rows: list[dict], num: str, den: str, key: str, title: str) -> None:
-    pairs = [(a, b) for a in rows for b in rows if a["config"] == num and b["config"] == den and a["bs"] == b["bs"]]
+def print_pair_ratios(
+    rows: list[dict], num: str, den: str, key: str, title: str
+) -> None:
+    pairs = [
+        (a, b)
+        for a in rows
+        for b in rows
+        if a["config"] == num and b["config"] == den and a["bs"] == b["bs"]
+    ]
     if pairs:
-        print(title + ": " + ", ".join(f"bs {a['bs']} {a[key] / b[key]:.2f}x" for a, b in pairs))
+        print(
+            title
+            + ": "
+            + ", ".join(f"bs {a['bs']} {a[key] / b[key]:.2f}x" for a, b in pairs)
+        )
 
 
 def plot(rows: list[dict], names: list[str], png: str, title: str) -> None:
@@ -189,7 +278,12 @@ def plot(rows: list[dict], names: list[str], png: str, title: str) -> None:
     ax = fig.subplots()
     for name in names:
         pts = [r for r in rows if r["config"] == name]
-        ax.plot([p["bs"] for p in pts], [p["tok_per_s"] for p in pts], marker="o", label=name)
+        ax.plot(
+            [p["bs"] for p in pts],
+            [p["tok_per_s"] for p in pts],
+            marker="o",
+            label=name,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("output tok/s")

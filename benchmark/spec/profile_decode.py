@@ -30,11 +30,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import bench_e2e  # noqa: E402
+
 from specpatch import engine as eng  # noqa: E402
 from specpatch import synth  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernelEx",
+)
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
 # Host calls into CUDA: the runtime API (torch) and the driver API (triton launches kernels
 # with cuLaunchKernelEx).
@@ -69,24 +75,36 @@ def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
         "gpu_span_us_per_step": span / num_steps,
         "gpu_busy_fraction": busy / span,
         "kernels_per_step": len(kernels) / num_steps,
-        "kernel_launches_per_step": sum(e["name"] in LAUNCH_CALLS for e in runtime) / num_steps,
-        "graph_launches_per_step": sum(e["name"] == "cudaGraphLaunch" for e in runtime) / num_steps,
+        "kernel_launches_per_step": sum(e["name"] in LAUNCH_CALLS for e in runtime)
+        / num_steps,
+        "graph_launches_per_step": sum(e["name"] == "cudaGraphLaunch" for e in runtime)
+        / num_steps,
         "syncs_per_step": sum("Synchronize" in e["name"] for e in runtime) / num_steps,
         "memcpy_per_step": sum("Memcpy" in e["name"] for e in runtime) / num_steps,
-        "kernel_count_per_step": per_step(collections.Counter(k["name"][:90] for k in kernels)),
+        "kernel_count_per_step": per_step(
+            collections.Counter(k["name"][:90] for k in kernels)
+        ),
         "kernel_us_per_step": per_step(kernel_time),
-        "cpu_op_count_per_step": per_step(collections.Counter(op["name"] for op in cpu_ops)),
+        "cpu_op_count_per_step": per_step(
+            collections.Counter(op["name"] for op in cpu_ops)
+        ),
         "cpu_op_us_per_step": per_step(op_time),
-        "sync_us_per_step": sum(e["dur"] for e in runtime if e["name"] in SYNC_CALLS) / num_steps,
-        "sync_sites": collections.Counter(e["name"] for e in runtime if e["name"] in SYNC_CALLS).most_common(),
+        "sync_us_per_step": sum(e["dur"] for e in runtime if e["name"] in SYNC_CALLS)
+        / num_steps,
+        "sync_sites": collections.Counter(
+            e["name"] for e in runtime if e["name"] in SYNC_CALLS
+        ).most_common(),
         "sync_callers_us_per_step": sync_callers(events, runtime, num_steps),
-        "gpu_idle_by_launch_site_us_per_step": gpu_idle_by_launch_site(events, num_steps),
+        "gpu_idle_by_launch_site_us_per_step": gpu_idle_by_launch_site(
+            events, num_steps
+        ),
         "python_us_per_step": python_frames(events, num_steps, 3 * top),
         "python_self_us_per_step": python_self_time(events, num_steps, 3 * top),
         # The scheduler thread alone (idle threads' waits would swamp a comparison), deeper
         # than the rest: host_time_differences compares two configs' lists.
         "scheduler_self_us_per_step": python_self_time(
-            scheduler_thread_events(events), num_steps, 10 * top),
+            scheduler_thread_events(events), num_steps, 10 * top
+        ),
         "kv_canary_us_per_step": outermost_time(events, "kv_canary/", num_steps),
     }
 
@@ -110,8 +128,13 @@ def frame_name(event: dict) -> str:
 
 def scheduler_thread_events(events: list) -> list:
     """The events of the thread(s) that run the scheduler's event loop."""
-    tids = {e["tid"] for e in events
-            if e.get("cat") == "python_function" and "scheduler.py" in e["name"] and "event_loop" in e["name"]}
+    tids = {
+        e["tid"]
+        for e in events
+        if e.get("cat") == "python_function"
+        and "scheduler.py" in e["name"]
+        and "event_loop" in e["name"]
+    }
     return [e for e in events if e.get("tid") in tids]
 
 
@@ -145,15 +168,24 @@ def host_time_differences(a: list, b: list, top: int = 15) -> list:
     a and b are python_self_us_per_step lists; a frame missing from one (below its top) counts
     as 0 there."""
     us_a, us_b = dict(a), dict(b)
-    rows = [(name, us_a.get(name, 0.0), us_b.get(name, 0.0)) for name in dict.fromkeys([*us_a, *us_b])]
+    rows = [
+        (name, us_a.get(name, 0.0), us_b.get(name, 0.0))
+        for name in dict.fromkeys([*us_a, *us_b])
+    ]
     rows = [(name, x, y, round(x - y, 1)) for name, x, y in rows]
     return sorted(rows, key=lambda r: -abs(r[3]))[:top]
 
 
 def outermost_time(events: list, needle: str, num_steps: int) -> float:
     """Host time inside Python frames whose name contains `needle`, nested ones counted once."""
-    frames = sorted((e for e in events if e.get("cat") == "python_function" and needle in e["name"]),
-                    key=lambda e: (e["tid"], e["ts"]))
+    frames = sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") == "python_function" and needle in e["name"]
+        ),
+        key=lambda e: (e["tid"], e["ts"]),
+    )
     total, tid, end = 0.0, None, float("-inf")
     for f in frames:
         if f["tid"] != tid:
@@ -182,7 +214,11 @@ def call_site(call: dict, frames_by_tid: dict, starts: dict, depth: int) -> str:
     frames = frames_by_tid.get(call.get("tid"), [])
     stack = []
     # Enclosing frames start before the call and end after it; the innermost start last.
-    for f in reversed(frames[: bisect.bisect_right(starts.get(call.get("tid"), []), call["ts"])][-20000:]):
+    for f in reversed(
+        frames[: bisect.bisect_right(starts.get(call.get("tid"), []), call["ts"])][
+            -20000:
+        ]
+    ):
         if f["ts"] + f["dur"] >= call["ts"] + call["dur"]:
             stack.append(f["name"].split("sglang/")[-1])
             if len(stack) == depth:
@@ -196,13 +232,17 @@ def sync_callers(events: list, runtime: list, num_steps: int, depth: int = 3) ->
     frames_by_tid, starts = sglang_frames_by_thread(events)
     waits = collections.Counter()
     for call in runtime:
-        if call["name"] not in SYNC_CALLS and not ("Memcpy" in call["name"] and call["dur"] > 20):
+        if call["name"] not in SYNC_CALLS and not (
+            "Memcpy" in call["name"] and call["dur"] > 20
+        ):
             continue
         waits[call_site(call, frames_by_tid, starts, depth) or "?"] += call["dur"]
     return [(site, round(us / num_steps, 1)) for site, us in waits.most_common(15)]
 
 
-def gpu_idle_by_launch_site(events: list, num_steps: int, depth: int = 2, top: int = 15) -> list:
+def gpu_idle_by_launch_site(
+    events: list, num_steps: int, depth: int = 2, top: int = 15
+) -> list:
     """GPU idle time per step, by what the GPU was waiting for.
 
     Each gap in GPU activity (kernels, copies and memsets on any stream) is charged to the host
@@ -212,9 +252,14 @@ def gpu_idle_by_launch_site(events: list, num_steps: int, depth: int = 2, top: i
     is prefixed "queued: ". In an overlap scheduler that keeps the GPU fed, the host-launch
     gaps are small; where they are not, the site names the host work on the critical path.
     """
-    activity = sorted((e for e in events if e.get("cat") in GPU_ACTIVITY), key=lambda e: e["ts"])
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in HOST_CUDA_CALLS and "correlation" in e.get("args", {})}
+    activity = sorted(
+        (e for e in events if e.get("cat") in GPU_ACTIVITY), key=lambda e: e["ts"]
+    )
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in HOST_CUDA_CALLS and "correlation" in e.get("args", {})
+    }
     frames_by_tid, starts = sglang_frames_by_thread(events)
     idle = collections.Counter()
     end = None
@@ -232,16 +277,36 @@ def gpu_idle_by_launch_site(events: list, num_steps: int, depth: int = 2, top: i
     return [(site, round(us / num_steps, 1)) for site, us in idle.most_common(top)]
 
 
-def profile_config(target, draft, name: str, bs: int, num_steps: int, vocab: int, out_dir: Path,
-                   with_stack: bool = False, extra_env: dict[str, str] | None = None) -> dict:
-    config, backend = bench_e2e.split_config(name, eng.BUNDLE_FLAGS["attention_backend"])
+def profile_config(
+    target,
+    draft,
+    name: str,
+    bs: int,
+    num_steps: int,
+    vocab: int,
+    out_dir: Path,
+    with_stack: bool = False,
+    extra_env: dict[str, str] | None = None,
+) -> dict:
+    config, backend = bench_e2e.split_config(
+        name, eng.BUNDLE_FLAGS["attention_backend"]
+    )
     spec, env = bench_e2e.CONFIGS[config]
     env = {**env, **(extra_env or {})}
     trace_dir = out_dir / name
-    with bench_e2e.scoped_env(env), eng.engine(
-        **eng.engine_kwargs(target, draft, spec, max_running_requests=max(bs, 4),
-                            max_total_tokens=eng.pool_tokens_for(target), attention_backend=backend)
-    ) as e:
+    with (
+        bench_e2e.scoped_env(env),
+        eng.engine(
+            **eng.engine_kwargs(
+                target,
+                draft,
+                spec,
+                max_running_requests=max(bs, 4),
+                max_total_tokens=eng.pool_tokens_for(target),
+                attention_backend=backend,
+            )
+        ) as e,
+    ):
         prompts = eng.random_prompts(bs, vocab, seed=bs)
         warm = eng.best_of(e, prompts, 256, 1)
 
@@ -250,11 +315,17 @@ def profile_config(target, draft, name: str, bs: int, num_steps: int, vocab: int
             # and closes num_steps forwards later; the generation outlasts it on both ends, so
             # the window is steady-state decode.
             params = dict(temperature=0.0, max_new_tokens=1024, ignore_eos=True)
-            generation = asyncio.ensure_future(e.async_generate(input_ids=prompts, sampling_params=params))
+            generation = asyncio.ensure_future(
+                e.async_generate(input_ids=prompts, sampling_params=params)
+            )
             await asyncio.sleep(0.05)
             await e.tokenizer_manager.start_profile(
-                output_dir=str(trace_dir), num_steps=num_steps, activities=["CPU", "GPU"],
-                with_stack=with_stack, record_shapes=False)
+                output_dir=str(trace_dir),
+                num_steps=num_steps,
+                activities=["CPU", "GPU"],
+                with_stack=with_stack,
+                record_shapes=False,
+            )
             await generation
 
         e.loop.run_until_complete(decode_under_profiler())
@@ -262,8 +333,12 @@ def profile_config(target, draft, name: str, bs: int, num_steps: int, vocab: int
         if not traces:
             raise RuntimeError(f"{name}: the profiler wrote no trace under {trace_dir}")
         summary = summarise_trace(traces[-1], num_steps)
-    summary.update(config=name, bs=bs, tok_per_s=warm.tok_per_s,
-                   accept_length=warm.accept_length if spec else 1.0)
+    summary.update(
+        config=name,
+        bs=bs,
+        tok_per_s=warm.tok_per_s,
+        accept_length=warm.accept_length if spec else 1.0,
+    )
     return summary
 
 
@@ -285,9 +360,16 @@ def main() -> None:
     p.add_argument("--tree", default="4,3,8")
     p.add_argument("--bs", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--with-stack", action="store_true", help="Python frames: names the sync sites")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="set for every config's engine, e.g. SGLANG_KV_CANARY=raise (repeatable)")
+    p.add_argument(
+        "--with-stack", action="store_true", help="Python frames: names the sync sites"
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set for every config's engine, e.g. SGLANG_KV_CANARY=raise (repeatable)",
+    )
     p.add_argument("--models")
     p.add_argument("--out")
     args = p.parse_args()
@@ -297,15 +379,27 @@ def main() -> None:
     out_dir = Path(tempfile.mkdtemp())
     results = []
     for name in args.configs.split(","):
-        s = profile_config(target, draft, name, args.bs, args.steps, vocab, out_dir, args.with_stack,
-                           parse_env(args.env))
+        s = profile_config(
+            target,
+            draft,
+            name,
+            args.bs,
+            args.steps,
+            vocab,
+            out_dir,
+            args.with_stack,
+            parse_env(args.env),
+        )
         results.append(s)
-        print(f"{name:>14} bs {args.bs}: {s['tok_per_s']:.0f} tok/s accept {s['accept_length']:.2f} | "
-              f"GPU span {s['gpu_span_us_per_step']:.0f} us/step, busy {s['gpu_busy_fraction']:.0%}, "
-              f"{s['kernels_per_step']:.0f} kernels, {s['kernel_launches_per_step']:.0f} launches, "
-              f"{s['graph_launches_per_step']:.1f} graphs, {s['syncs_per_step']:.1f} syncs "
-              f"({s['sync_us_per_step']:.0f} us), "
-              f"{s['memcpy_per_step']:.1f} memcpys per step", flush=True)
+        print(
+            f"{name:>14} bs {args.bs}: {s['tok_per_s']:.0f} tok/s accept {s['accept_length']:.2f} | "
+            f"GPU span {s['gpu_span_us_per_step']:.0f} us/step, busy {s['gpu_busy_fraction']:.0%}, "
+            f"{s['kernels_per_step']:.0f} kernels, {s['kernel_launches_per_step']:.0f} launches, "
+            f"{s['graph_launches_per_step']:.1f} graphs, {s['syncs_per_step']:.1f} syncs "
+            f"({s['sync_us_per_step']:.0f} us), "
+            f"{s['memcpy_per_step']:.1f} memcpys per step",
+            flush=True,
+        )
         print("  GPU idle us per step, by the launch that ended the gap:")
         for site, us in s["gpu_idle_by_launch_site_us_per_step"][:8]:
             print(f"  {us:>8.1f}  {site}")
@@ -313,9 +407,12 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(results, indent=1))
     if args.with_stack and len(results) >= 2:
         a, b = results[0], results[1]
-        print(f"exclusive host us per step, {a['config']} - {b['config']} (largest differences):")
-        for name, x, y, diff in host_time_differences(a["scheduler_self_us_per_step"],
-                                                      b["scheduler_self_us_per_step"]):
+        print(
+            f"exclusive host us per step, {a['config']} - {b['config']} (largest differences):"
+        )
+        for name, x, y, diff in host_time_differences(
+            a["scheduler_self_us_per_step"], b["scheduler_self_us_per_step"]
+        ):
             print(f"  {diff:>+8.1f}  ({x:>7.1f} vs {y:>7.1f})  {name}")
 
 

@@ -48,7 +48,8 @@ class Layout:
 
 def overlay_files(overlay: Path) -> list[Path]:
     return sorted(
-        p for p in overlay.rglob("*")
+        p
+        for p in overlay.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")
     )
 
@@ -56,7 +57,11 @@ def overlay_files(overlay: Path) -> list[Path]:
 def build_digest(layout: Layout, patches: list[quilt_series.Patch]) -> str:
     h = hashlib.sha256(quilt_series.series_digest(patches).encode())
     for path in overlay_files(layout.overlay):
-        h.update(path.relative_to(layout.overlay).as_posix().encode() + b"\0" + path.read_bytes())
+        h.update(
+            path.relative_to(layout.overlay).as_posix().encode()
+            + b"\0"
+            + path.read_bytes()
+        )
     return h.hexdigest()
 
 
@@ -86,7 +91,9 @@ def _copy_overlay(overlay: Path, tree: Path) -> list[str]:
     return added
 
 
-def prepare_tree(layout: Layout, upstream_wheel: Path, tree: Path) -> list[quilt_series.Patch]:
+def prepare_tree(
+    layout: Layout, upstream_wheel: Path, tree: Path
+) -> list[quilt_series.Patch]:
     """Verify upstream and unpack it under tree/python/. Returns the series to apply."""
     patches = quilt_series.read_series(layout.patches)
     manifest = upstream.read_manifest(layout.patches)
@@ -102,7 +109,9 @@ def build(layout: Layout, python_tag: str, upstream_wheel: Path | None = None) -
     if upstream_wheel is None:
         upstream_wheel = upstream.fetch_wheel(python_tag, layout.cache).path
     elif upstream.python_tag_of(upstream_wheel) != python_tag:
-        raise upstream.UpstreamMismatch(f"{upstream_wheel.name} is not a {python_tag} wheel")
+        raise upstream.UpstreamMismatch(
+            f"{upstream_wheel.name} is not a {python_tag} wheel"
+        )
 
     with tempfile.TemporaryDirectory(prefix="specpatch-") as scratch:
         tree = Path(scratch) / "tree"
@@ -117,14 +126,21 @@ def build(layout: Layout, python_tag: str, upstream_wheel: Path | None = None) -
             "version": version,
             "build_digest": digest,
             "series_sha256": quilt_series.series_digest(patches),
-            "patches": [{"name": p.name, "sha256": upstream.sha256_bytes(p.path.read_bytes())} for p in patches],
+            "patches": [
+                {"name": p.name, "sha256": upstream.sha256_bytes(p.path.read_bytes())}
+                for p in patches
+            ],
             "overlay": overlay,
         }
         root = tree / TREE_PREFIX
         (root / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
-        dist_info = wheel.set_version(root, upstream.UPSTREAM_NAME, upstream.UPSTREAM_VERSION, version)
+        dist_info = wheel.set_version(
+            root, upstream.UPSTREAM_NAME, upstream.UPSTREAM_VERSION, version
+        )
 
-        name = upstream_wheel.name.replace(f"-{upstream.UPSTREAM_VERSION}-", f"-{version}-", 1)
+        name = upstream_wheel.name.replace(
+            f"-{upstream.UPSTREAM_VERSION}-", f"-{version}-", 1
+        )
         staged = Path(scratch) / name
         wheel.pack(root, dist_info, staged)
         layout.dist.mkdir(exist_ok=True)
@@ -140,6 +156,9 @@ def write_manifest(layout: Layout, python_tag: str = "cp311") -> dict[str, str]:
     touched = quilt_series.touched_files(quilt_series.read_series(layout.patches))
     with zipfile.ZipFile(wheel_path) as zf:
         upstream.check_version(zf)
-        digests = {path: upstream.sha256_bytes(zf.read(path.removeprefix(TREE_PREFIX))) for path in touched}
+        digests = {
+            path: upstream.sha256_bytes(zf.read(path.removeprefix(TREE_PREFIX)))
+            for path in touched
+        }
     upstream.write_manifest(layout.patches, digests)
     return digests

@@ -28,7 +28,11 @@ def installed_stamp() -> dict | None:
 
 def cmd_build(args: argparse.Namespace) -> int:
     layout = builder.Layout(REPO)
-    out = builder.build(layout, args.python_tag, Path(args.upstream_wheel) if args.upstream_wheel else None)
+    out = builder.build(
+        layout,
+        args.python_tag,
+        Path(args.upstream_wheel) if args.upstream_wheel else None,
+    )
     print(out)
     return 0
 
@@ -36,17 +40,25 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     stamp = installed_stamp()
     if stamp is None:
-        print("installed sglang carries no specpatch stamp (pristine upstream or another build)")
+        print(
+            "installed sglang carries no specpatch stamp (pristine upstream or another build)"
+        )
         return 1
-    print(f"installed sglang {stamp['version']} (upstream {stamp['upstream']}), {len(stamp['patches'])} patches:")
+    print(
+        f"installed sglang {stamp['version']} (upstream {stamp['upstream']}), {len(stamp['patches'])} patches:"
+    )
     for patch in stamp["patches"]:
         print(f"  {patch['name']}")
     current = quilt_series.series_digest(quilt_series.read_series(REPO / "patches"))
-    digest = builder.build_digest(builder.Layout(REPO), quilt_series.read_series(REPO / "patches"))
+    digest = builder.build_digest(
+        builder.Layout(REPO), quilt_series.read_series(REPO / "patches")
+    )
     same_series = current == stamp["series_sha256"]
     same_build = digest == stamp["build_digest"]
-    print(f"series matches this checkout: {'yes' if same_series else 'no'}; "
-          f"overlay+series match: {'yes' if same_build else 'no (rebuild)'}")
+    print(
+        f"series matches this checkout: {'yes' if same_series else 'no'}; "
+        f"overlay+series match: {'yes' if same_build else 'no (rebuild)'}"
+    )
     return 0 if same_build else 2
 
 
@@ -68,10 +80,12 @@ def cmd_tree(args: argparse.Namespace) -> int:
     builder.prepare_tree(layout, wheel_path, tree)
     (tree / "patches").symlink_to(layout.patches)
     quilt_series.push_all_keeping_state(tree, layout.patches)
-    print(f"{tree}: upstream + series applied. Edit with quilt, e.g.\n"
-          f"  cd {tree} && export QUILT_PATCHES=patches QUILT_REFRESH_ARGS='{quilt_series.QUILT_ENV['QUILT_REFRESH_ARGS']}'\n"
-          f"  quilt new NNNN-name.patch && quilt add python/sglang/... && $EDITOR ... && quilt refresh\n"
-          f"then add the patch header and run `specpatch manifest` and `specpatch refresh-check`.")
+    print(
+        f"{tree}: upstream + series applied. Edit with quilt, e.g.\n"
+        f"  cd {tree} && export QUILT_PATCHES=patches QUILT_REFRESH_ARGS='{quilt_series.QUILT_ENV['QUILT_REFRESH_ARGS']}'\n"
+        f"  quilt new NNNN-name.patch && quilt add python/sglang/... && $EDITOR ... && quilt refresh\n"
+        f"then add the patch header and run `specpatch manifest` and `specpatch refresh-check`."
+    )
     return 0
 
 
@@ -84,7 +98,11 @@ def cmd_refresh_check(args: argparse.Namespace) -> int:
         changed = quilt_series.refresh_diff(tree, layout.patches)
     for name, diff in changed.items():
         print(f"--- {name} changes on refresh:\n{diff}")
-    print(f"refresh-check: {len(changed)} patch(es) not reproducible" if changed else "refresh-check: series is reproducible")
+    print(
+        f"refresh-check: {len(changed)} patch(es) not reproducible"
+        if changed
+        else "refresh-check: series is reproducible"
+    )
     return 1 if changed else 0
 
 
@@ -92,19 +110,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specpatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="build the patched wheel into dist/")
-    p.add_argument("--python-tag", default=f"cp{sys.version_info.major}{sys.version_info.minor}")
-    p.add_argument("--upstream-wheel", help="use this upstream wheel instead of downloading it")
+    p.add_argument(
+        "--python-tag", default=f"cp{sys.version_info.major}{sys.version_info.minor}"
+    )
+    p.add_argument(
+        "--upstream-wheel", help="use this upstream wheel instead of downloading it"
+    )
     p.set_defaults(func=cmd_build)
     p = sub.add_parser("status", help="which patches the installed sglang carries")
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("manifest", help="rewrite patches/upstream.sha256 from the series")
+    p = sub.add_parser(
+        "manifest", help="rewrite patches/upstream.sha256 from the series"
+    )
     p.set_defaults(func=cmd_manifest)
-    p = sub.add_parser("tree", help="materialize upstream + series for editing with quilt")
+    p = sub.add_parser(
+        "tree", help="materialize upstream + series for editing with quilt"
+    )
     p.add_argument("--dir", default=str(REPO / "build" / "tree"))
     p.add_argument("--force", action="store_true")
     p.add_argument("--python-tag", default="cp311")
     p.set_defaults(func=cmd_tree)
-    p = sub.add_parser("refresh-check", help="fail if `quilt refresh` would change any patch")
+    p = sub.add_parser(
+        "refresh-check", help="fail if `quilt refresh` would change any patch"
+    )
     p.add_argument("--python-tag", default="cp311")
     p.set_defaults(func=cmd_refresh_check)
     args = parser.parse_args(argv)

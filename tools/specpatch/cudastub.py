@@ -26,12 +26,27 @@ CUDA_ERROR_NO_DEVICE = 100
 # Exported only by the stub, so a libcuda.so.1 already in the process can be told apart from a driver.
 MARKER = "specpatch_cuda_stub"
 # What cudart / torch / triton touch while probing for a driver; may be absent from every extension.
-INIT_PROBES = frozenset({
-    "cuInit", "cuDriverGetVersion", "cuGetProcAddress", "cuGetProcAddress_v2", "cuGetExportTable",
-    "cuDeviceGet", "cuDeviceGetCount", "cuDeviceGetAttribute", "cuDeviceGetName", "cuDeviceGetUuid",
-    "cuDeviceGetUuid_v2", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxGetCurrent",
-    "cuCtxGetDevice", "cuGetErrorName", "cuGetErrorString",
-})
+INIT_PROBES = frozenset(
+    {
+        "cuInit",
+        "cuDriverGetVersion",
+        "cuGetProcAddress",
+        "cuGetProcAddress_v2",
+        "cuGetExportTable",
+        "cuDeviceGet",
+        "cuDeviceGetCount",
+        "cuDeviceGetAttribute",
+        "cuDeviceGetName",
+        "cuDeviceGetUuid",
+        "cuDeviceGetUuid_v2",
+        "cuDeviceTotalMem_v2",
+        "cuDevicePrimaryCtxRetain",
+        "cuCtxGetCurrent",
+        "cuCtxGetDevice",
+        "cuGetErrorName",
+        "cuGetErrorString",
+    }
+)
 # These only write a message through their out-pointer; callers print it after a failure, so
 # they must fill it in rather than leave the caller's pointer uninitialised.
 _MESSAGE_FUNCTIONS = ("cuGetErrorName", "cuGetErrorString")
@@ -47,7 +62,7 @@ def site_roots() -> list[Path]:
 
 
 def _batched(args: list[str], size: int = 200) -> list[list[str]]:
-    return [args[i:i + size] for i in range(0, len(args), size)]
+    return [args[i : i + size] for i in range(0, len(args), size)]
 
 
 def libcuda_dependents(roots: list[Path] | None = None) -> list[Path]:
@@ -56,15 +71,24 @@ def libcuda_dependents(roots: list[Path] | None = None) -> list[Path]:
     Scanning all packages, not a hand-kept list, keeps this right when sglang starts importing a
     new extension; `readelf -d` reads only the dynamic section, so ~600 files take well under 1s.
     """
-    files = sorted({str(p) for root in roots or site_roots() for p in root.rglob("*.so*") if p.is_file()})
+    files = sorted(
+        {
+            str(p)
+            for root in roots or site_roots()
+            for p in root.rglob("*.so*")
+            if p.is_file()
+        }
+    )
     found: list[Path] = []
     for batch in _batched(files):
         # With several files readelf heads each block with "File: <path>".
-        out = subprocess.run(["readelf", "-d", "-W", *batch], capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["readelf", "-d", "-W", *batch], capture_output=True, text=True
+        ).stdout
         current = batch[0] if len(batch) == 1 else None
         for line in out.splitlines():
             if line.startswith("File: "):
-                current = line[len("File: "):].strip()
+                current = line[len("File: ") :].strip()
             elif current and "(NEEDED)" in line and f"[{SONAME}]" in line:
                 found.append(Path(current))
     return sorted(set(found))
@@ -74,7 +98,12 @@ def driver_symbols(libs: list[Path]) -> list[str]:
     """Undefined `cu*` functions of `libs`, version suffixes (`cuFoo@libcuda.so.1`) removed."""
     symbols = set(INIT_PROBES)
     for batch in _batched([str(lib) for lib in libs]):
-        out = subprocess.run(["nm", "-D", "--undefined-only", *batch], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["nm", "-D", "--undefined-only", *batch],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         for line in out.stdout.splitlines():
             fields = line.split()
             if len(fields) != 2 or fields[0] not in ("U", "w"):
@@ -94,7 +123,9 @@ def stub_source(symbols: list[str]) -> str:
     ]
     for name in symbols:
         if name in _MESSAGE_FUNCTIONS:
-            lines.append(f"int {name}(int error, const char **out) {{ if (out) *out = message; return 0; }}")
+            lines.append(
+                f"int {name}(int error, const char **out) {{ if (out) *out = message; return 0; }}"
+            )
         else:
             # No parameter list: on x86-64/aarch64 the callee ignores whatever arguments arrive, so
             # one definition fits every real prototype that returns CUresult (an int-sized enum).
@@ -112,8 +143,20 @@ def build(cache_dir: Path = DEFAULT_CACHE) -> Path:
     (out.parent / "libcuda_stub.c").write_text(source)
     # Compile to a private name and rename: concurrent builders (pytest-xdist) never see half a file.
     tmp = out.with_name(f"{SONAME}.{os.getpid()}.tmp")
-    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-w", f"-Wl,-soname,{SONAME}", "-o", str(tmp),
-                    str(out.parent / "libcuda_stub.c")], check=True)
+    subprocess.run(
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-w",
+            f"-Wl,-soname,{SONAME}",
+            "-o",
+            str(tmp),
+            str(out.parent / "libcuda_stub.c"),
+        ],
+        check=True,
+    )
     os.replace(tmp, out)
     return out
 
@@ -139,7 +182,9 @@ def preload(cache_dir: Path = DEFAULT_CACHE) -> str:
     found = loaded_libcuda()
     if found == "driver":
         _loaded = "driver"
-    elif found == "stub":  # loaded by someone else in this process (another copy of this module)
+    elif (
+        found == "stub"
+    ):  # loaded by someone else in this process (another copy of this module)
         _loaded = str(build(cache_dir))
     else:
         path = build(cache_dir)
@@ -157,7 +202,9 @@ def main(argv: list[str]) -> int:
         import sgl_kernel  # noqa: F401  (fails here if the stub lacks a symbol)
         import torch
 
-        print(f"sgl_kernel imported; torch.cuda.is_available() = {torch.cuda.is_available()}")
+        print(
+            f"sgl_kernel imported; torch.cuda.is_available() = {torch.cuda.is_available()}"
+        )
     else:
         print("usage: python -m specpatch.cudastub {build|check}", file=sys.stderr)
         return 2

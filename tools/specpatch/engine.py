@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 # The trimmed GPU bundle has no FA3, no FlashInfer JIT and no xgrammar (shared/gpu/README.md).
-BUNDLE_FLAGS = dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none")
+BUNDLE_FLAGS = dict(
+    attention_backend="triton", sampling_backend="pytorch", grammar_backend="none"
+)
 
 
 def flashinfer_unavailable() -> Optional[str]:
     """Why FlashInfer's kernels cannot run here, or None: they JIT-compile against headers the
-    GPU bundle drops (specpatch.flashinfer_stage ships them, and modules compiled before)."""
+    GPU bundle drops (specpatch.flashinfer_stage ships them, and modules compiled before).
+    """
     import torch
 
     if not torch.cuda.is_available():
@@ -50,7 +53,9 @@ class SpecConfig:
     def label(self) -> str:
         version = "v2" if self.overlap else "v1"
         shape = "chain" if self.topk == 1 else "tree"
-        return f"{version}-{shape}-k{self.topk}s{self.num_steps}d{self.num_draft_tokens}"
+        return (
+            f"{version}-{shape}-k{self.topk}s{self.num_steps}d{self.num_draft_tokens}"
+        )
 
 
 # What the synthetic pairs' KV pools may take: a 7B target's 14.5 GB of weights, this and the
@@ -62,7 +67,8 @@ MAX_POOL_TOKENS = 1 << 18
 def pool_tokens(target_spec) -> int:
     """max_total_tokens for a synthetic target (a synth.TargetSpec): 2^18 tokens, or fewer where
     the target's KV for them would pass KV_POOL_BYTES. Sized from free memory instead, a tiny
-    model's pool would fill the GPU, twice with a draft; a 7B target's would not fit at 2^18."""
+    model's pool would fill the GPU, twice with a draft; a 7B target's would not fit at 2^18.
+    """
     return min(MAX_POOL_TOKENS, KV_POOL_BYTES // target_spec.kv_bytes_per_token)
 
 
@@ -131,7 +137,9 @@ def dp_port_is_free(port: int) -> bool:
     from sglang.srt.server_args import ZMQ_TCP_PORT_DELTA
 
     first = port + ZMQ_TCP_PORT_DELTA
-    return _bindable(port) and all(_bindable(p) for p in range(first, first + _DP_PORT_SPAN))
+    return _bindable(port) and all(
+        _bindable(p) for p in range(first, first + _DP_PORT_SPAN)
+    )
 
 
 def free_dp_port(rng: random.Random | None = None, attempts: int = 200) -> int:
@@ -159,7 +167,10 @@ class EngineChildFailed(SystemExit):
 
 # The modules whose SIGQUIT handlers call kill_process_tree(os.getpid()): the launch phase's
 # (Engine start-up) and the running phase's (TokenizerManager, once requests are served).
-_SELF_KILLERS = ("sglang.srt.entrypoints.engine", "sglang.srt.managers.tokenizer_manager")
+_SELF_KILLERS = (
+    "sglang.srt.entrypoints.engine",
+    "sglang.srt.managers.tokenizer_manager",
+)
 
 
 def captured_tail(fd: int = 2, limit: int = 4000) -> str:
@@ -168,7 +179,9 @@ def captured_tail(fd: int = 2, limit: int = 4000) -> str:
     try:
         size = os.fstat(fd).st_size if stat.S_ISREG(os.fstat(fd).st_mode) else 0
         start = max(0, size - limit)
-        return os.pread(fd, size - start, start).decode(errors="replace") if size else ""
+        return (
+            os.pread(fd, size - start, start).decode(errors="replace") if size else ""
+        )
     except OSError:
         return ""
 
@@ -190,7 +203,8 @@ def child_failure_raises() -> Iterator[None]:
         kill(parent_pid, False)
         raise EngineChildFailed(
             "an sglang child process failed; sglang would have SIGKILLed this process "
-            "(pytest: 'Killed', no traceback). Tail of the captured stderr:\n" + captured_tail()
+            "(pytest: 'Killed', no traceback). Tail of the captured stderr:\n"
+            + captured_tail()
         )
 
     for module in modules:
@@ -232,7 +246,15 @@ def server(startup_s: float = 300, **kwargs) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -245,7 +267,9 @@ def server(startup_s: float = 300, **kwargs) -> Iterator[str]:
         deadline = time.time() + startup_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up with {proc.returncode}")
+                raise RuntimeError(
+                    f"server exited during start-up with {proc.returncode}"
+                )
             try:
                 if requests.get(f"{base}/health", timeout=2).status_code == 200:
                     break
@@ -260,9 +284,14 @@ def server(startup_s: float = 300, **kwargs) -> Iterator[str]:
         proc.wait(timeout=60)
 
 
-def random_prompts(n: int, vocab_size: int, *, min_len: int = 8, max_len: int = 64, seed: int = 0) -> list[list[int]]:
+def random_prompts(
+    n: int, vocab_size: int, *, min_len: int = 8, max_len: int = 64, seed: int = 0
+) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+    return [
+        [rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(n)
+    ]
 
 
 @dataclass
@@ -280,11 +309,19 @@ class GreedyRun:
     @property
     def accept_length(self) -> float:
         """Mean tokens committed per verify step (drafts + bonus), from the requests' meta_info."""
-        return self.completion_tokens / self.verify_count if self.verify_count else float("nan")
+        return (
+            self.completion_tokens / self.verify_count
+            if self.verify_count
+            else float("nan")
+        )
 
 
-def generate(eng, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0) -> GreedyRun:
-    params = dict(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True)
+def generate(
+    eng, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0
+) -> GreedyRun:
+    params = dict(
+        temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True
+    )
     tic = time.perf_counter()
     outs = eng.generate(input_ids=prompts, sampling_params=params)
     seconds = time.perf_counter() - tic
@@ -298,14 +335,19 @@ def generate(eng, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     )
 
 
-def best_of(eng, prompts: list[list[int]], max_new_tokens: int, repeats: int) -> GreedyRun:
+def best_of(
+    eng, prompts: list[list[int]], max_new_tokens: int, repeats: int
+) -> GreedyRun:
     """The fastest of `repeats` timed runs, after one untimed run of the same length.
 
     The warm-up is full length: engines in a benchmark start one after another, and a short one
     would leave triton's JIT compiles inside the first engine's timed runs, flattering the later
     engines (seen: a canary mode measured 2.5x faster than no canary)."""
     generate(eng, prompts, max_new_tokens)
-    return max((generate(eng, prompts, max_new_tokens) for _ in range(repeats)), key=lambda r: r.tok_per_s)
+    return max(
+        (generate(eng, prompts, max_new_tokens) for _ in range(repeats)),
+        key=lambda r: r.tok_per_s,
+    )
 
 
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:

@@ -57,12 +57,12 @@ def elf_section(data: bytes, name: str) -> tuple[int, int]:
     `data` may be an mmap: only the headers are touched."""
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError("not a little-endian ELF64 file")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
 
     def header(index: int) -> tuple[int, int, int]:
         base = shoff + index * shentsize
-        name_offset, = struct.unpack_from("<I", data, base)
+        (name_offset,) = struct.unpack_from("<I", data, base)
         offset, size = struct.unpack_from("<QQ", data, base + 0x18)
         return name_offset, offset, size
 
@@ -70,12 +70,14 @@ def elf_section(data: bytes, name: str) -> tuple[int, int]:
     for index in range(shnum):
         name_offset, offset, size = header(index)
         start = strtab_offset + name_offset
-        if data[start:data.find(b"\0", start)] == name.encode():
+        if data[start : data.find(b"\0", start)] == name.encode():
             return offset, size
     raise ValueError(f"no {name} section")
 
 
-def fatbin_entries(data: bytes, section_offset: int, section_size: int) -> list[FatbinEntry]:
+def fatbin_entries(
+    data: bytes, section_offset: int, section_size: int
+) -> list[FatbinEntry]:
     """Every image of the fat binaries packed one after another in a section.
 
     Layout: a fat binary is a 16-byte header (magic u32, version u16, header size u16, body
@@ -92,9 +94,13 @@ def fatbin_entries(data: bytes, section_offset: int, section_size: int) -> list[
             continue
         entry, body_end = pos + header_size, pos + header_size + body_size
         while entry < body_end:
-            kind, _, entry_header_size, payload_size = struct.unpack_from("<HHII", data, entry)
-            arch, = struct.unpack_from("<I", data, entry + 28)
-            entries.append(FatbinEntry(entry + entry_header_size, payload_size, kind, arch))
+            kind, _, entry_header_size, payload_size = struct.unpack_from(
+                "<HHII", data, entry
+            )
+            (arch,) = struct.unpack_from("<I", data, entry + 28)
+            entries.append(
+                FatbinEntry(entry + entry_header_size, payload_size, kind, arch)
+            )
             entry += entry_header_size + payload_size
         pos = body_end
     return entries
@@ -105,17 +111,26 @@ def zero_other_archs(library: bytes, keep_arch: int) -> tuple[bytearray, int]:
     bytes were zeroed. Refuses a library that has no image for `keep_arch`."""
     entries = fatbin_entries(library, *elf_section(library, FATBIN_SECTION))
     if not any(e.arch == keep_arch for e in entries):
-        raise ValueError(f"no sm_{keep_arch} image in the library: nothing would run on the host")
+        raise ValueError(
+            f"no sm_{keep_arch} image in the library: nothing would run on the host"
+        )
     out = bytearray(library)
     zeroed = 0
     for e in entries:
         if e.arch != keep_arch:
-            out[e.payload_offset:e.payload_offset + e.payload_size] = bytes(e.payload_size)
+            out[e.payload_offset : e.payload_offset + e.payload_size] = bytes(
+                e.payload_size
+            )
             zeroed += e.payload_size
     return out, zeroed
 
 
-def pack(library: Path, out_dir: Path, keep_arch: int = HOST_ARCH, part_bytes: int = PART_BYTES) -> dict:
+def pack(
+    library: Path,
+    out_dir: Path,
+    keep_arch: int = HOST_ARCH,
+    part_bytes: int = PART_BYTES,
+) -> dict:
     """Write out_dir/partNN and out_dir/manifest.json; return the manifest."""
     trimmed, zeroed = zero_other_archs(library.read_bytes(), keep_arch)
     archive = gzip.compress(bytes(trimmed), compresslevel=6, mtime=0)
@@ -125,7 +140,7 @@ def pack(library: Path, out_dir: Path, keep_arch: int = HOST_ARCH, part_bytes: i
     parts = []
     for index, start in enumerate(range(0, len(archive), part_bytes)):
         name = f"part{index:02d}"
-        (out_dir / name).write_bytes(archive[start:start + part_bytes])
+        (out_dir / name).write_bytes(archive[start : start + part_bytes])
         parts.append(name)
     manifest = {
         "library": LIBRARY,
@@ -170,7 +185,9 @@ def assemble(store: Path) -> Path:
             digest.update(chunk)
             out.write(chunk)
     if digest.hexdigest() != manifest["archive_sha256"]:
-        raise SystemExit("fa3_stage: the received parts do not hash to the packed archive")
+        raise SystemExit(
+            "fa3_stage: the received parts do not hash to the packed archive"
+        )
     with gzip.open(archive, "rb") as src, library.open("wb") as dst:
         shutil.copyfileobj(src, dst, _CHUNK)
     return library
@@ -189,21 +206,31 @@ def _sgl_kernel_dir() -> Path:
 
     spec = importlib.util.find_spec("sgl_kernel")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("fa3_stage: sgl_kernel is not importable here (source .gpu-bundle/env.sh first)")
+        raise SystemExit(
+            "fa3_stage: sgl_kernel is not importable here (source .gpu-bundle/env.sh first)"
+        )
     return Path(list(spec.submodule_search_locations)[0])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specpatch.fa3_stage", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m specpatch.fa3_stage", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="zero the other archs, compress, split into parts")
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--library", type=Path, help="default: the flash_ops of the sgl_kernel importable here")
+    p.add_argument(
+        "--library",
+        type=Path,
+        help="default: the flash_ops of the sgl_kernel importable here",
+    )
     p.add_argument("--part-mib", type=int, default=PART_BYTES >> 20)
     r = sub.add_parser("receive", help="on the GPU host: keep this call's parts")
     r.add_argument("parts_dir", type=Path)
     r.add_argument("store", type=Path)
-    i = sub.add_parser("install", help="on the GPU host: unpack once, copy into sgl_kernel")
+    i = sub.add_parser(
+        "install", help="on the GPU host: unpack once, copy into sgl_kernel"
+    )
     i.add_argument("store", type=Path)
     args = parser.parse_args(argv)
 
@@ -213,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in manifest.items() if k != "archive_sha256"}))
     elif args.cmd == "receive":
         missing = receive(args.parts_dir, args.store)
-        print("fa3_stage: all parts received" if not missing else f"fa3_stage: still missing {missing}")
+        print(
+            "fa3_stage: all parts received"
+            if not missing
+            else f"fa3_stage: still missing {missing}"
+        )
     else:
         print(install(args.store, _sgl_kernel_dir()))
     return 0

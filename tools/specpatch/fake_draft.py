@@ -25,23 +25,35 @@ class TableDraftRunner:
     def forward(self, forward_batch, skip_attn_backend_init=False):
         input_ids = forward_batch.input_ids
         self.calls.append((input_ids.tolist(), forward_batch.out_cache_loc.tolist()))
-        return SimpleNamespace(logits_output=SimpleNamespace(
-            next_token_logits=self.logits_table[input_ids],
-            hidden_states=forward_batch.spec_info.hidden_states + 1,
-        ))
+        return SimpleNamespace(
+            logits_output=SimpleNamespace(
+                next_token_logits=self.logits_table[input_ids],
+                hidden_states=forward_batch.spec_info.hidden_states + 1,
+            )
+        )
 
 
 class DenseDraftRunner:
     """Costs about what one EAGLE decoder layer plus the lm_head cost per draft step (bf16 GEMMs
-    over the same weight bytes), so draft-phase timings carry a realistic model share."""
+    over the same weight bytes), so draft-phase timings carry a realistic model share.
+    """
 
     kv_canary = None  # as ModelRunner with the KV canary off
 
-    def __init__(self, hidden: int, intermediate: int, vocab_size: int, device: str = "cuda", seed: int = 0):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        vocab_size: int,
+        device: str = "cuda",
+        seed: int = 0,
+    ):
         g = torch.Generator(device=device).manual_seed(seed)
 
         def weight(*shape):
-            return (torch.randn(*shape, generator=g, device=device) / shape[-1] ** 0.5).to(torch.bfloat16)
+            return (
+                torch.randn(*shape, generator=g, device=device) / shape[-1] ** 0.5
+            ).to(torch.bfloat16)
 
         self.embed = weight(vocab_size, hidden)
         self.qkv_o = [weight(hidden, hidden) for _ in range(4)]
@@ -56,10 +68,20 @@ class DenseDraftRunner:
         gate, up = (x @ self.gate_up).chunk(2, dim=-1)
         x = x + (torch.nn.functional.silu(gate) * up) @ self.down
         logits = (x @ self.lm_head.t()).float()
-        return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=x))
+        return SimpleNamespace(
+            logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=x)
+        )
 
 
-def make_draft_worker(worker_cls, runner, *, num_steps: int, max_bs: int, chain: bool = True, device: str = "cpu"):
+def make_draft_worker(
+    worker_cls,
+    runner,
+    *,
+    num_steps: int,
+    max_bs: int,
+    chain: bool = True,
+    device: str = "cpu",
+):
     from sglang.srt.speculative.chain_draft import ChainDraftTable
 
     worker = object.__new__(worker_cls)
@@ -75,19 +97,34 @@ def make_draft_worker(worker_cls, runner, *, num_steps: int, max_bs: int, chain:
     return worker
 
 
-def make_forward_batch(bs: int, num_steps: int, *, vocab_size: int, hidden: int, seed: int = 1,
-                       first_token_width: int = 1, device: str = "cpu", dtype=torch.float32):
+def make_forward_batch(
+    bs: int,
+    num_steps: int,
+    *,
+    vocab_size: int,
+    hidden: int,
+    seed: int = 1,
+    first_token_width: int = 1,
+    device: str = "cpu",
+    dtype=torch.float32,
+):
     """The ForwardBatch fields draft_forward reads, after the previous round's draft-extend."""
     g = torch.Generator().manual_seed(seed)
     spec_info = SimpleNamespace(
         topk_p=torch.rand(bs, first_token_width, generator=g).to(device),
-        topk_index=torch.randint(0, vocab_size, (bs, first_token_width), generator=g).to(device),
-        hidden_states=torch.randn(bs, hidden, generator=g).to(device=device, dtype=dtype),
+        topk_index=torch.randint(
+            0, vocab_size, (bs, first_token_width), generator=g
+        ).to(device),
+        hidden_states=torch.randn(bs, hidden, generator=g).to(
+            device=device, dtype=dtype
+        ),
     )
     return SimpleNamespace(
         spec_info=spec_info,
         batch_size=bs,
-        out_cache_loc=(torch.arange(bs * num_steps, dtype=torch.int64) + 1000).to(device),
+        out_cache_loc=(torch.arange(bs * num_steps, dtype=torch.int64) + 1000).to(
+            device
+        ),
         positions=torch.arange(bs, dtype=torch.int64).to(device),
         input_ids=None,
         attn_backend=None,

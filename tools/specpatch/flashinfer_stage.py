@@ -78,7 +78,8 @@ def _flashinfer_package() -> tuple[Path, str]:
 
 def install(store: Path, package: Path, version: str) -> list[str]:
     """Unpack the headers (checked against the manifest) and any carried modules into the
-    flashinfer package at `package` (of `version`); return the names of the modules installed."""
+    flashinfer package at `package` (of `version`); return the names of the modules installed.
+    """
     manifest = json.loads((store / MANIFEST).read_text())
     if version != manifest["flashinfer_version"]:
         raise SystemExit(
@@ -86,7 +87,9 @@ def install(store: Path, package: Path, version: str) -> list[str]:
             f"this host imports {version}"
         )
     if _sha256(store / HEADERS) != manifest["headers_sha256"]:
-        raise SystemExit(f"flashinfer_stage: {store / HEADERS} does not match its manifest")
+        raise SystemExit(
+            f"flashinfer_stage: {store / HEADERS} does not match its manifest"
+        )
     with tarfile.open(store / HEADERS) as tar:
         tar.extractall(package / "data", filter="data")
     installed = []
@@ -113,7 +116,8 @@ def collect(out_dir: Path, module_roots: list[Path]) -> list[str]:
             tar.add(so, arcname=f"{name}/{name}.so")
     if archive.stat().st_size > MAX_RETURNED_BYTES:
         raise SystemExit(
-            f"flashinfer_stage: {archive} is {archive.stat().st_size >> 20} MiB, " "more than one device call returns"
+            f"flashinfer_stage: {archive} is {archive.stat().st_size >> 20} MiB, "
+            "more than one device call returns"
         )
     return sorted(modules)
 
@@ -143,23 +147,34 @@ def fetch_wheel(cache: Path) -> Path:
         )
         found = sorted(cache.glob(f"flashinfer_python-{pinned}-*.whl"))
     if not found:
-        raise SystemExit(f"flashinfer_stage: no flashinfer_python {pinned} wheel in {cache}")
+        raise SystemExit(
+            f"flashinfer_stage: no flashinfer_python {pinned} wheel in {cache}"
+        )
     return found[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specpatch.flashinfer_stage", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m specpatch.flashinfer_stage", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("pack", help="here: the JIT headers the bundle drops, as one archive")
+    p = sub.add_parser(
+        "pack", help="here: the JIT headers the bundle drops, as one archive"
+    )
     p.add_argument("out_dir", type=Path)
     p.add_argument(
         "--wheel",
         type=Path,
-        help="an untrimmed flashinfer-python wheel " "(default: download the version installed here)",
+        help="an untrimmed flashinfer-python wheel "
+        "(default: download the version installed here)",
     )
-    i = sub.add_parser("install", help="on the GPU host: headers and carried modules into flashinfer")
+    i = sub.add_parser(
+        "install", help="on the GPU host: headers and carried modules into flashinfer"
+    )
     i.add_argument("store", type=Path)
-    c = sub.add_parser("collect", help="on the GPU host: compiled modules into OUT/" + MODULES)
+    c = sub.add_parser(
+        "collect", help="on the GPU host: compiled modules into OUT/" + MODULES
+    )
     c.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
 
@@ -167,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         wheel = args.wheel or fetch_wheel(Path.home() / ".cache" / "flashinfer-stage")
         print(json.dumps(pack(wheel, args.out_dir)))
     elif args.cmd == "install":
-        print("flashinfer_stage: headers installed; modules:", install(args.store, *_flashinfer_package()) or "none")
+        print(
+            "flashinfer_stage: headers installed; modules:",
+            install(args.store, *_flashinfer_package()) or "none",
+        )
     else:
         from flashinfer.jit import env as jit_env
 

@@ -43,7 +43,9 @@ class Patch:
                     raise SeriesError(f"{self.name} deletes a file: not supported")
                 files.append(target.removeprefix("b/"))
             elif line.startswith("--- /dev/null"):
-                raise SeriesError(f"{self.name} creates a file: new modules belong in the overlay (python/)")
+                raise SeriesError(
+                    f"{self.name} creates a file: new modules belong in the overlay (python/)"
+                )
         return files
 
     def header(self) -> str:
@@ -53,11 +55,17 @@ class Patch:
 
 def read_series(patches_dir: Path) -> list[Patch]:
     series = patches_dir / "series"
-    names = [ln.split()[0] for ln in series.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    names = [
+        ln.split()[0]
+        for ln in series.read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     patches = [Patch(name, patches_dir / name) for name in names]
     for patch in patches:
         if not patch.path.is_file():
-            raise SeriesError(f"series names {patch.name}, which is not in {patches_dir}")
+            raise SeriesError(
+                f"series names {patch.name}, which is not in {patches_dir}"
+            )
         missing = [h for h in REQUIRED_HEADERS if h not in patch.header()]
         if missing:
             raise SeriesError(f"{patch.name}: header lacks {', '.join(missing)}")
@@ -78,8 +86,19 @@ def touched_files(patches: list[Patch]) -> list[str]:
 def _quilt(tree: Path, patches_dir: Path, *args: str) -> subprocess.CompletedProcess:
     if shutil.which("quilt") is None:
         raise SeriesError("quilt is not installed (apt-get install quilt)")
-    env = {**os.environ, **QUILT_ENV, "QUILT_PATCHES": str(patches_dir), "QUILT_PC": ".pc"}
-    return subprocess.run(["quilt", "--quiltrc", "-", *args], cwd=tree, env=env, capture_output=True, text=True)
+    env = {
+        **os.environ,
+        **QUILT_ENV,
+        "QUILT_PATCHES": str(patches_dir),
+        "QUILT_PC": ".pc",
+    }
+    return subprocess.run(
+        ["quilt", "--quiltrc", "-", *args],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def _describe_failure(output: str) -> str:
@@ -104,7 +123,10 @@ def apply(tree: Path, patches_dir: Path) -> None:
         return
     result = _quilt(tree, patches_dir, "push", "-a", "--fuzz=0")
     if result.returncode != 0:
-        raise SeriesError("the series does not apply with zero fuzz:\n  " + _describe_failure(result.stdout + result.stderr))
+        raise SeriesError(
+            "the series does not apply with zero fuzz:\n  "
+            + _describe_failure(result.stdout + result.stderr)
+        )
     shutil.rmtree(tree / ".pc", ignore_errors=True)
     for leftover in list(tree.rglob("*.orig")) + list(tree.rglob("*.rej")):
         leftover.unlink()
@@ -114,12 +136,16 @@ def push_all_keeping_state(tree: Path, patches_dir: Path) -> None:
     """For the developer tree: apply the series and keep .pc so quilt can refresh/pop later."""
     result = _quilt(tree, patches_dir, "push", "-a", "--fuzz=0")
     if result.returncode not in (0, 2):  # 2: nothing to push
-        raise SeriesError("the series does not apply with zero fuzz:\n  " + _describe_failure(result.stdout + result.stderr))
+        raise SeriesError(
+            "the series does not apply with zero fuzz:\n  "
+            + _describe_failure(result.stdout + result.stderr)
+        )
 
 
 def refresh_diff(tree: Path, patches_dir: Path) -> dict[str, str]:
     """Push and refresh each patch of a copy of the series on `tree` (an unpacked upstream);
-    return {patch name: unified diff old->new} for every patch whose bytes a refresh changes."""
+    return {patch name: unified diff old->new} for every patch whose bytes a refresh changes.
+    """
     import difflib
 
     changed: dict[str, str] = {}
@@ -129,12 +155,19 @@ def refresh_diff(tree: Path, patches_dir: Path) -> dict[str, str]:
         for patch in read_series(copy):
             result = _quilt(tree, copy, "push", "--fuzz=0")
             if result.returncode != 0:
-                raise SeriesError("the series does not apply with zero fuzz:\n  " + _describe_failure(result.stdout + result.stderr))
+                raise SeriesError(
+                    "the series does not apply with zero fuzz:\n  "
+                    + _describe_failure(result.stdout + result.stderr)
+                )
             result = _quilt(tree, copy, "refresh")
             if result.returncode != 0:
-                raise SeriesError(f"quilt refresh {patch.name} failed: {result.stderr.strip()}")
+                raise SeriesError(
+                    f"quilt refresh {patch.name} failed: {result.stderr.strip()}"
+                )
             before = (patches_dir / patch.name).read_text().splitlines(keepends=True)
             after = patch.path.read_text().splitlines(keepends=True)
             if before != after:
-                changed[patch.name] = "".join(difflib.unified_diff(before, after, "committed", "refreshed"))
+                changed[patch.name] = "".join(
+                    difflib.unified_diff(before, after, "committed", "refreshed")
+                )
     return changed

@@ -15,6 +15,11 @@ def init_model_parallel_on_cpu() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ps.init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        backend="gloo",
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+    )
     ps.initialize_model_parallel(backend="gloo")

@@ -58,23 +58,45 @@ def make_eagle3_draft(
     attention_scale: float = 2.0,
 ) -> Eagle3DraftInfo:
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    tuned = synth.tuned_draft_map(target_dir, agreement, seed=seed, device=device, tolerance=tolerance)
-    spec, embed, gen, sigma, o_proj = tuned.spec, tuned.embed, tuned.generator, tuned.sigma, tuned.matrix
+    tuned = synth.tuned_draft_map(
+        target_dir, agreement, seed=seed, device=device, tolerance=tolerance
+    )
+    spec, embed, gen, sigma, o_proj = (
+        tuned.spec,
+        tuned.embed,
+        tuned.generator,
+        tuned.sigma,
+        tuned.matrix,
+    )
     h, d, num_heads = spec.hidden, spec.head_dim, spec.num_heads
-    assert h == num_heads * d, "the heads must tile the embedding for q/k/v to read it whole"
+    assert (
+        h == num_heads * d
+    ), "the heads must tile the embedding for q/k/v to read it whole"
     hits = synth.draft_hits(embed, tuned.lm_head, tuned.successor, o_proj.float())[:, 0]
 
-    def from_embedding(scale: float) -> torch.Tensor:  # [h, 2 h]: reads the embedding half only
+    def from_embedding(
+        scale: float,
+    ) -> torch.Tensor:  # [h, 2 h]: reads the embedding half only
         eye = scale * torch.eye(h, device=device)
-        return torch.cat([eye, torch.zeros(h, h, device=device)], dim=1).to(torch.bfloat16)
+        return torch.cat([eye, torch.zeros(h, h, device=device)], dim=1).to(
+            torch.bfloat16
+        )
 
     small = synth.small_layer_weights(spec, "layers.0", layer_gain, gen, device)
-    ones = {name: torch.ones(h, device=device, dtype=torch.bfloat16)
-            for name in ("layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
-                         "layers.0.post_attention_layernorm.weight", "norm.weight")}
+    ones = {
+        name: torch.ones(h, device=device, dtype=torch.bfloat16)
+        for name in (
+            "layers.0.input_layernorm.weight",
+            "layers.0.hidden_norm.weight",
+            "layers.0.post_attention_layernorm.weight",
+            "norm.weight",
+        )
+    }
     weights = {
         "embed_tokens.weight": embed.to(torch.bfloat16),
-        "fc.weight": torch.zeros(h, len(AUX_LAYER_IDS) * h, device=device, dtype=torch.bfloat16),
+        "fc.weight": torch.zeros(
+            h, len(AUX_LAYER_IDS) * h, device=device, dtype=torch.bfloat16
+        ),
         "layers.0.self_attn.q_proj.weight": from_embedding(attention_scale),
         "layers.0.self_attn.k_proj.weight": from_embedding(attention_scale),
         "layers.0.self_attn.v_proj.weight": from_embedding(1.0),
@@ -88,7 +110,10 @@ def make_eagle3_draft(
         "num_key_value_heads": num_heads,
         "draft_vocab_size": None,  # the target's lm_head and vocabulary, no hot-token map
         "target_hidden_size": h,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(AUX_LAYER_IDS), "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(AUX_LAYER_IDS),
+            "use_aux_hidden_state": True,
+        },
     }
     meta = {
         "kind": "eagle3_draft",
@@ -105,14 +130,25 @@ def make_eagle3_draft(
 
 
 def make_eagle3_pair(
-    out_root: str | Path, preset: str = "toy", agreement: float = 0.7, *, seed: int = 0, device="cpu"
+    out_root: str | Path,
+    preset: str = "toy",
+    agreement: float = 0.7,
+    *,
+    seed: int = 0,
+    device="cpu",
 ) -> tuple[synth.TargetInfo, Eagle3DraftInfo]:
     """-> out_root/target (Qwen3, at least MIN_TARGET_LAYERS layers) and out_root/draft."""
     out_root = Path(out_root)
     base = synth.PRESETS[preset]
     spec = replace(base, seed=seed, num_layers=max(base.num_layers, MIN_TARGET_LAYERS))
     target = synth.make_target(out_root / "target", spec, device=device, family="qwen3")
-    draft = make_eagle3_draft(out_root / "draft", target.path, agreement=agreement, seed=seed + 1, device=device)
+    draft = make_eagle3_draft(
+        out_root / "draft",
+        target.path,
+        agreement=agreement,
+        seed=seed + 1,
+        device=device,
+    )
     return target, draft
 
 
@@ -125,7 +161,8 @@ def reference_first_step_logits(
     dtype=torch.float32,
 ) -> torch.Tensor:
     """sglang's LlamaForCausalLMEagle3 over a whole sequence (a draft extend), with the target's
-    embedding and lm_head. input_ids [s], aux_hidden [s, n_aux * h] (zeros if None) -> [s, vocab]."""
+    embedding and lm_head. input_ids [s], aux_hidden [s, n_aux * h] (zeros if None) -> [s, vocab].
+    """
     device = input_ids.device
     dw = synth.as_checkpoint(draft, dtype, device)
     tw = synth.as_checkpoint(target, dtype, device)
@@ -136,19 +173,38 @@ def reference_first_step_logits(
     if aux_hidden is None:
         aux_hidden = torch.zeros(s, w["fc.weight"].shape[1], dtype=dtype, device=device)
     residual = aux_hidden.to(dtype) @ w["fc.weight"].T  # [s, h]
-    x = torch.cat([synth.rms_norm(embeds, w["layers.0.input_layernorm.weight"], eps),
-                   synth.rms_norm(residual, w["layers.0.hidden_norm.weight"], eps)], dim=-1)  # [s, 2 h]
+    x = torch.cat(
+        [
+            synth.rms_norm(embeds, w["layers.0.input_layernorm.weight"], eps),
+            synth.rms_norm(residual, w["layers.0.hidden_norm.weight"], eps),
+        ],
+        dim=-1,
+    )  # [s, 2 h]
 
     def heads(proj: str) -> torch.Tensor:  # -> [1, heads, s, d]
-        return (x @ w[f"layers.0.self_attn.{proj}.weight"].T).view(s, -1, d).transpose(0, 1)[None]
+        return (
+            (x @ w[f"layers.0.self_attn.{proj}.weight"].T)
+            .view(s, -1, d)
+            .transpose(0, 1)[None]
+        )
 
     positions = torch.arange(s, device=device)
     q = synth.rope(heads("q_proj"), positions, cfg["rope_theta"])
     k = synth.rope(heads("k_proj"), positions, cfg["rope_theta"])
-    attn = F.scaled_dot_product_attention(q, k, heads("v_proj"), is_causal=True, enable_gqa=True)
-    residual = residual + attn[0].transpose(0, 1).reshape(s, num_heads * d) @ w["layers.0.self_attn.o_proj.weight"].T
+    attn = F.scaled_dot_product_attention(
+        q, k, heads("v_proj"), is_causal=True, enable_gqa=True
+    )
+    residual = (
+        residual
+        + attn[0].transpose(0, 1).reshape(s, num_heads * d)
+        @ w["layers.0.self_attn.o_proj.weight"].T
+    )
     m = synth.rms_norm(residual, w["layers.0.post_attention_layernorm.weight"], eps)
-    gate, up = m @ w["layers.0.mlp.gate_proj.weight"].T, m @ w["layers.0.mlp.up_proj.weight"].T
+    gate, up = (
+        m @ w["layers.0.mlp.gate_proj.weight"].T,
+        m @ w["layers.0.mlp.up_proj.weight"].T,
+    )
     residual = residual + (F.silu(gate) * up) @ w["layers.0.mlp.down_proj.weight"].T
-    return synth.rms_norm(residual, w["norm.weight"], eps) @ tw.weights["lm_head.weight"].T
-
+    return (
+        synth.rms_norm(residual, w["norm.weight"], eps) @ tw.weights["lm_head.weight"].T
+    )

@@ -17,7 +17,11 @@ from pathlib import Path
 UPSTREAM_NAME = "sglang"
 UPSTREAM_VERSION = "0.5.12.post1"
 # The GPU host runs cp312; this machine and CI run cp311. Upstream ships one wheel per tag.
-PLATFORM_TAGS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64")
+PLATFORM_TAGS = (
+    "manylinux_2_34_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+)
 MANIFEST_NAME = "upstream.sha256"
 
 
@@ -42,15 +46,30 @@ def fetch_wheel(python_tag: str, cache_dir: Path) -> UpstreamWheel:
     if not found:
         cache_dir.mkdir(parents=True, exist_ok=True)
         py_version = f"{python_tag[2]}.{python_tag[3:]}"
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-               "--only-binary=:all:", "--implementation", "cp", "--python-version", py_version,
-               "--dest", str(cache_dir), f"{UPSTREAM_NAME}=={UPSTREAM_VERSION}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--implementation",
+            "cp",
+            "--python-version",
+            py_version,
+            "--dest",
+            str(cache_dir),
+            f"{UPSTREAM_NAME}=={UPSTREAM_VERSION}",
+        ]
         for plat in PLATFORM_TAGS:
             cmd += ["--platform", plat]
         subprocess.run(cmd, check=True)
         found = sorted(cache_dir.glob(pattern))
     if not found:
-        raise UpstreamMismatch(f"no {UPSTREAM_NAME} {UPSTREAM_VERSION} wheel for {python_tag} in {cache_dir}")
+        raise UpstreamMismatch(
+            f"no {UPSTREAM_NAME} {UPSTREAM_VERSION} wheel for {python_tag} in {cache_dir}"
+        )
     return UpstreamWheel(path=found[-1], python_tag=python_tag)
 
 
@@ -73,7 +92,9 @@ def read_manifest(patches_dir: Path) -> dict[str, str]:
 
 
 def write_manifest(patches_dir: Path, digests: dict[str, str]) -> None:
-    lines = [f"# sha256 of every upstream file the series edits ({UPSTREAM_NAME} {UPSTREAM_VERSION})"]
+    lines = [
+        f"# sha256 of every upstream file the series edits ({UPSTREAM_NAME} {UPSTREAM_VERSION})"
+    ]
     lines += [f"{digests[path]}  {path}" for path in sorted(digests)]
     (patches_dir / MANIFEST_NAME).write_text("\n".join(lines) + "\n")
 
@@ -87,7 +108,9 @@ def check_version(zf: zipfile.ZipFile) -> None:
         )
 
 
-def check_files(zf: zipfile.ZipFile, manifest: dict[str, str], tree_prefix: str) -> None:
+def check_files(
+    zf: zipfile.ZipFile, manifest: dict[str, str], tree_prefix: str
+) -> None:
     """Every file the series edits must be byte-identical to the one the series was written for."""
     names = set(zf.namelist())
     problems = []
@@ -98,8 +121,11 @@ def check_files(zf: zipfile.ZipFile, manifest: dict[str, str], tree_prefix: str)
             continue
         found = sha256_bytes(zf.read(wheel_path))
         if found != expected:
-            problems.append(f"{tree_path}: sha256 {found[:12]}… differs from the manifest's {expected[:12]}…")
+            problems.append(
+                f"{tree_path}: sha256 {found[:12]}… differs from the manifest's {expected[:12]}…"
+            )
     if problems:
         raise UpstreamMismatch(
-            "upstream files the series edits are not the pinned ones:\n  " + "\n  ".join(problems)
+            "upstream files the series edits are not the pinned ones:\n  "
+            + "\n  ".join(problems)
         )

@@ -24,7 +24,9 @@ def unpack(wheel: Path, dest: Path) -> None:
 
 
 def _record_hash(data: bytes) -> str:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    digest = (
+        base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    )
     return f"sha256={digest}"
 
 
@@ -35,14 +37,18 @@ def set_version(root: Path, name: str, old_version: str, new_version: str) -> Pa
     old.rename(new)
     metadata = new / "METADATA"
     lines = metadata.read_text().split("\n")
-    lines = [f"Version: {new_version}" if ln.startswith("Version: ") else ln for ln in lines]
+    lines = [
+        f"Version: {new_version}" if ln.startswith("Version: ") else ln for ln in lines
+    ]
     metadata.write_text("\n".join(lines))
     return new
 
 
 def pack(root: Path, dist_info: Path, out: Path) -> None:
     """Zip `root` into `out`, writing RECORD last (it lists every other file with its hash)."""
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.parent.name != "__pycache__")
+    files = sorted(
+        p for p in root.rglob("*") if p.is_file() and p.parent.name != "__pycache__"
+    )
     record = dist_info / "RECORD"
     rows = []
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as zf:

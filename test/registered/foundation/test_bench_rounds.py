@@ -13,13 +13,17 @@ import bench_e2e  # noqa: E402
 
 def test_round_ratios_pair_the_configs_of_each_round():
     per_round = {
-        ("tree", 1): [800.0, 780.0], ("tree-v1", 1): [640.0, 600.0],
-        ("tree", 4): [2500.0, 2600.0], ("tree-v1", 4): [2000.0, 2080.0],
+        ("tree", 1): [800.0, 780.0],
+        ("tree-v1", 1): [640.0, 600.0],
+        ("tree", 4): [2500.0, 2600.0],
+        ("tree-v1", 4): [2000.0, 2080.0],
         ("chain", 4): [3000.0, 3100.0],  # neither side of the ratio
         ("tree", 16): [8000.0],  # no v1 engine at bs 16: no ratio
     }
 
     ratios = bench_e2e.round_ratios(per_round, "tree", "tree-v1")
 
-    assert ratios == {1: [pytest.approx(1.25), pytest.approx(1.3)],
-                      4: [pytest.approx(1.25), pytest.approx(1.25)]}
+    assert ratios == {
+        1: [pytest.approx(1.25), pytest.approx(1.3)],
+        4: [pytest.approx(1.25), pytest.approx(1.25)],
+    }

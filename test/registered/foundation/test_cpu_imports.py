@@ -48,14 +48,26 @@ print(json.dumps({"libcuda": libcuda, "seconds": round(seconds, 2), "cuda": torc
                   "sgl_kernel": "sgl_kernel.load_utils" in sys.modules}))
 """
 
-needs_no_driver = pytest.mark.skipif(cudastub.loaded_libcuda() == "driver",
-                                     reason="a real NVIDIA driver is present; these check the stub")
+needs_no_driver = pytest.mark.skipif(
+    cudastub.loaded_libcuda() == "driver",
+    reason="a real NVIDIA driver is present; these check the stub",
+)
 
 
 def _import_fresh(module: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TOOLS), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True, env=env,
-                          timeout=170)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(TOOLS), os.environ.get("PYTHONPATH")])
+        ),
+    )
+    return subprocess.run(
+        [sys.executable, "-c", PROBE, module],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=170,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -91,13 +103,20 @@ def test_preload_is_idempotent(cuda_stub: str):
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_imports_in_fresh_interpreter(module: str, fresh_imports: dict[str, Future], cuda_stub: str,
-                                      request: pytest.FixtureRequest):
+def test_imports_in_fresh_interpreter(
+    module: str,
+    fresh_imports: dict[str, Future],
+    cuda_stub: str,
+    request: pytest.FixtureRequest,
+):
     result = fresh_imports[module].result()
     assert result.returncode == 0, f"import {module} failed:\n{result.stderr[-3000:]}"
     report = json.loads(result.stdout.strip().splitlines()[-1])
     # Into the run summary (user_properties; record_property would warn under junit xunit2).
-    request.node.user_properties += [("import_seconds", report["seconds"]), ("sgl_kernel_loaded", report["sgl_kernel"])]
+    request.node.user_properties += [
+        ("import_seconds", report["seconds"]),
+        ("sgl_kernel_loaded", report["sgl_kernel"]),
+    ]
     assert report["libcuda"] == cuda_stub
     if cuda_stub != "driver":
         assert report["cuda"] is False
@@ -107,9 +126,12 @@ def test_installed_sglang_is_the_patched_build():
     from specpatch.cli import installed_stamp
 
     stamp = installed_stamp()
-    assert stamp is not None, "sglang here is not a specpatch build (run tools/setup.sh)"
+    assert (
+        stamp is not None
+    ), "sglang here is not a specpatch build (run tools/setup.sh)"
     assert stamp["upstream"] == "sglang==0.5.12.post1"
     assert [p["name"] for p in stamp["patches"]] == [
-        line.split()[0] for line in (TOOLS.parent / "patches" / "series").read_text().splitlines()
+        line.split()[0]
+        for line in (TOOLS.parent / "patches" / "series").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]

@@ -20,17 +20,30 @@ class _FakeEngine:
     def generate(self, input_ids, sampling_params):
         n = sampling_params["max_new_tokens"]
         self.calls.append(n)
-        return [{"output_ids": [0] * n, "meta_info": {"completion_tokens": n, "spec_verify_ct": 1}} for _ in input_ids]
+        return [
+            {
+                "output_ids": [0] * n,
+                "meta_info": {"completion_tokens": n, "spec_verify_ct": 1},
+            }
+            for _ in input_ids
+        ]
 
 
 def test_best_of_warms_up_at_full_length_then_times_each_repeat(monkeypatch):
     fake = _FakeEngine()
-    clock = iter([0.0, 0.5, 10.0, 13.0, 20.0, 21.0, 30.0, 32.0])  # warm-up 0.5 s, then 3 s, 1 s, 2 s
+    clock = iter(
+        [0.0, 0.5, 10.0, 13.0, 20.0, 21.0, 30.0, 32.0]
+    )  # warm-up 0.5 s, then 3 s, 1 s, 2 s
     monkeypatch.setattr(eng.time, "perf_counter", lambda: next(clock))
 
     best = eng.best_of(fake, [[1, 2], [3]], max_new_tokens=64, repeats=3)
 
-    assert fake.calls == [64, 64, 64, 64]  # one untimed full-length run, then the repeats
+    assert fake.calls == [
+        64,
+        64,
+        64,
+        64,
+    ]  # one untimed full-length run, then the repeats
     assert best.seconds == 1.0  # the fastest repeat, not the warm-up
     assert best.completion_tokens == 128
 
@@ -50,8 +63,17 @@ def test_free_dp_port_skips_a_port_whose_tcp_block_is_taken():
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
-        busy = taken.getsockname()[1] - ZMQ_TCP_PORT_DELTA - 3  # `taken` sits inside busy's block
-        other = next((p for p in range(21000, 39000, 97) if p != busy and eng.dp_port_is_free(p)), None)
+        busy = (
+            taken.getsockname()[1] - ZMQ_TCP_PORT_DELTA - 3
+        )  # `taken` sits inside busy's block
+        other = next(
+            (
+                p
+                for p in range(21000, 39000, 97)
+                if p != busy and eng.dp_port_is_free(p)
+            ),
+            None,
+        )
         if other is None:
             pytest.skip("this host has no free port block to test with")
 
@@ -80,8 +102,11 @@ def test_a_failed_engine_start_kills_its_child_processes(monkeypatch):
         raise RuntimeError("Rank 0 scheduler died during initialization")
 
     monkeypatch.setattr(sglang, "Engine", failing_engine)
-    monkeypatch.setattr(sglang.srt.utils, "kill_process_tree",
-                        lambda pid, include_parent=True: killed.append((pid, include_parent)))
+    monkeypatch.setattr(
+        sglang.srt.utils,
+        "kill_process_tree",
+        lambda pid, include_parent=True: killed.append((pid, include_parent)),
+    )
 
     with pytest.raises(RuntimeError, match="scheduler died"):
         with eng.engine(model_path="unused"):
@@ -112,8 +137,9 @@ def test_dp_attention_engines_get_a_port_of_their_own(monkeypatch):
     seen.clear()
     with eng.engine(model_path="unused"):
         pass
-    assert "port" not in seen  # without DP attention sglang uses IPC, and its default port
-
+    assert (
+        "port" not in seen
+    )  # without DP attention sglang uses IPC, and its default port
 
 
 def _child_then_sigquit(wait, returncodes: list):
@@ -138,7 +164,8 @@ def test_a_failing_child_fails_the_test_instead_of_killing_pytest(capfd):
     """sglang's SIGQUIT handlers kill_process_tree(os.getpid()): SIGKILL of the Engine's own
     process, i.e. pytest ("Killed", no traceback, the children's log lost in the capture).
     Inside engine() they kill the children and raise, in the launch phase (a signal.signal
-    handler) and the running phase (an asyncio signal callback, which swallows Exceptions)."""
+    handler) and the running phase (an asyncio signal callback, which swallows Exceptions).
+    """
     import asyncio
     import signal
     import time
@@ -154,12 +181,16 @@ def test_a_failing_child_fails_the_test_instead_of_killing_pytest(capfd):
     try:
         with eng.child_failure_raises():
             # Launch phase: Engine.__init__ waits on its scheduler's pipe.
-            signal.signal(signal.SIGQUIT, lambda *_: engine_mod.kill_process_tree(os.getpid()))
+            signal.signal(
+                signal.SIGQUIT, lambda *_: engine_mod.kill_process_tree(os.getpid())
+            )
             with pytest.raises(eng.EngineChildFailed, match="no chain_drafts"):
                 _child_then_sigquit(lambda send: (send(), time.sleep(5)), returncodes)
 
             # Running phase: Engine.generate runs the event loop.
-            loop.add_signal_handler(signal.SIGQUIT, lambda: tm_mod.kill_process_tree(os.getpid()))
+            loop.add_signal_handler(
+                signal.SIGQUIT, lambda: tm_mod.kill_process_tree(os.getpid())
+            )
 
             def serve(send):
                 loop.call_later(0.05, send)
@@ -171,6 +202,11 @@ def test_a_failing_child_fails_the_test_instead_of_killing_pytest(capfd):
         loop.remove_signal_handler(signal.SIGQUIT)
         loop.close()
         signal.signal(signal.SIGQUIT, previous)
-    assert returncodes == [-signal.SIGKILL] * 2  # the children were killed, this process lives
-    assert (engine_mod.kill_process_tree, tm_mod.kill_process_tree) == originals  # put back
+    assert (
+        returncodes == [-signal.SIGKILL] * 2
+    )  # the children were killed, this process lives
+    assert (
+        engine_mod.kill_process_tree,
+        tm_mod.kill_process_tree,
+    ) == originals  # put back
     capfd.readouterr()

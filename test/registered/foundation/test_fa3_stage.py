@@ -54,12 +54,16 @@ def payload(tag: int, size: int) -> bytes:
 @pytest.fixture
 def library(tmp_path: Path) -> Path:
     fatbins = (
-        fat_binary([(2, 80, payload(1, 40)), (2, 90, payload(2, 24)), (1, 90, payload(3, 16))])
+        fat_binary(
+            [(2, 80, payload(1, 40)), (2, 90, payload(2, 24)), (1, 90, payload(3, 16))]
+        )
         + bytes(8)  # alignment padding between fat binaries
         + fat_binary([(2, 86, payload(4, 32)), (2, 90, payload(5, 8))])
     )
     path = tmp_path / fa3_stage.LIBRARY
-    path.write_bytes(elf_with_sections({".text": payload(9, 20), fa3_stage.FATBIN_SECTION: fatbins}))
+    path.write_bytes(
+        elf_with_sections({".text": payload(9, 20), fa3_stage.FATBIN_SECTION: fatbins})
+    )
     return path
 
 
@@ -68,9 +72,15 @@ def test_every_image_of_every_fat_binary_is_found(library):
     entries = fa3_stage.fatbin_entries(data, *fa3_stage.elf_section(data, ".nv_fatbin"))
 
     assert [(e.kind, e.arch, e.payload_size) for e in entries] == [
-        (2, 80, 40), (2, 90, 24), (1, 90, 16), (2, 86, 32), (2, 90, 8)]
-    assert [data[e.payload_offset:e.payload_offset + e.payload_size] for e in entries] == [
-        payload(1, 40), payload(2, 24), payload(3, 16), payload(4, 32), payload(5, 8)]
+        (2, 80, 40),
+        (2, 90, 24),
+        (1, 90, 16),
+        (2, 86, 32),
+        (2, 90, 8),
+    ]
+    assert [
+        data[e.payload_offset : e.payload_offset + e.payload_size] for e in entries
+    ] == [payload(1, 40), payload(2, 24), payload(3, 16), payload(4, 32), payload(5, 8)]
 
 
 def test_only_other_archs_payloads_are_zeroed(library):
@@ -81,9 +91,13 @@ def test_only_other_archs_payloads_are_zeroed(library):
     assert zeroed == 40 + 32 and len(trimmed) == len(data)
     changed = [i for i, (a, b) in enumerate(zip(data, trimmed)) if a != b]
     assert len(changed) == zeroed and all(trimmed[i] == 0 for i in changed)
-    assert {data[i] for i in changed} == {1, 4}  # the sm80 and sm86 payloads, nothing else
-    assert fa3_stage.fatbin_entries(bytes(trimmed), *fa3_stage.elf_section(data, ".nv_fatbin")) == \
-        fa3_stage.fatbin_entries(data, *fa3_stage.elf_section(data, ".nv_fatbin"))
+    assert {data[i] for i in changed} == {
+        1,
+        4,
+    }  # the sm80 and sm86 payloads, nothing else
+    assert fa3_stage.fatbin_entries(
+        bytes(trimmed), *fa3_stage.elf_section(data, ".nv_fatbin")
+    ) == fa3_stage.fatbin_entries(data, *fa3_stage.elf_section(data, ".nv_fatbin"))
 
 
 def test_a_library_without_the_host_arch_is_refused(library):
@@ -91,8 +105,14 @@ def test_a_library_without_the_host_arch_is_refused(library):
         fa3_stage.zero_other_archs(library.read_bytes(), keep_arch=100)
 
 
-def test_parts_received_over_several_calls_install_the_trimmed_library(library, tmp_path):
-    packed, store, site = tmp_path / "packed", tmp_path / "store", tmp_path / "sgl_kernel"
+def test_parts_received_over_several_calls_install_the_trimmed_library(
+    library, tmp_path
+):
+    packed, store, site = (
+        tmp_path / "packed",
+        tmp_path / "store",
+        tmp_path / "sgl_kernel",
+    )
     site.mkdir()
     manifest = fa3_stage.pack(library, packed, part_bytes=48)
     assert len(manifest["parts"]) > 2
@@ -105,12 +125,16 @@ def test_parts_received_over_several_calls_install_the_trimmed_library(library, 
         (call / "manifest.json").write_bytes((packed / "manifest.json").read_bytes())
         (call / name).write_bytes((packed / name).read_bytes())
         missing = fa3_stage.receive(call, store)
-        assert missing == manifest["parts"][index + 1:]
+        assert missing == manifest["parts"][index + 1 :]
 
     installed = fa3_stage.install(store, site)
 
-    assert installed == site / fa3_stage.LIBRARY and installed.read_bytes() == bytes(expected)
-    assert fa3_stage.install(store, site).read_bytes() == bytes(expected)  # again: unpacked once
+    assert installed == site / fa3_stage.LIBRARY and installed.read_bytes() == bytes(
+        expected
+    )
+    assert fa3_stage.install(store, site).read_bytes() == bytes(
+        expected
+    )  # again: unpacked once
 
 
 def test_a_missing_or_damaged_part_is_an_error_not_a_library(library, tmp_path):
@@ -118,7 +142,9 @@ def test_a_missing_or_damaged_part_is_an_error_not_a_library(library, tmp_path):
     manifest = fa3_stage.pack(library, packed, part_bytes=48)
     fa3_stage.receive(packed, store)
     (store / manifest["parts"][1]).unlink()
-    with pytest.raises(SystemExit, match=f"parts not received yet: {manifest['parts'][1]}"):
+    with pytest.raises(
+        SystemExit, match=f"parts not received yet: {manifest['parts'][1]}"
+    ):
         fa3_stage.assemble(store)
 
     fa3_stage.receive(packed, store)
@@ -137,11 +163,17 @@ def test_the_installed_sgl_kernel_library_has_the_layout_the_packer_reads():
         pytest.skip("sgl_kernel is not installed in this environment")
     if not location.is_file():
         pytest.skip(f"{location} is absent from this sgl_kernel build")
-    with location.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+    with (
+        location.open("rb") as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data,
+    ):
         offset, size = fa3_stage.elf_section(data, fa3_stage.FATBIN_SECTION)
         entries = fa3_stage.fatbin_entries(data, offset, size)
         host = sum(e.payload_size for e in entries if e.arch == fa3_stage.HOST_ARCH)
-        assert host > 0 and all(offset <= e.payload_offset and e.payload_offset + e.payload_size <= offset + size
-                                for e in entries)
+        assert host > 0 and all(
+            offset <= e.payload_offset
+            and e.payload_offset + e.payload_size <= offset + size
+            for e in entries
+        )
         # Most of the section is images: the walk did not lose its place between fat binaries.
         assert sum(e.payload_size for e in entries) > 0.9 * size

@@ -34,7 +34,11 @@ def store(tmp_path) -> Path:
 def test_pack_keeps_only_the_header_trees_the_bundle_drops(store):
     with tarfile.open(store / stage.HEADERS) as tar:
         names = sorted(m.name for m in tar.getmembers())
-    assert names == ["cccl/cub/cub.cuh", "cutlass/include/cutlass/cutlass.h", "spdlog/include/spdlog/spdlog.h"]
+    assert names == [
+        "cccl/cub/cub.cuh",
+        "cutlass/include/cutlass/cutlass.h",
+        "spdlog/include/spdlog/spdlog.h",
+    ]
     manifest = json.loads((store / stage.MANIFEST).read_text())
     assert manifest["flashinfer_version"] == "0.6.11.post1"
 
@@ -42,12 +46,17 @@ def test_pack_keeps_only_the_header_trees_the_bundle_drops(store):
 def test_install_unpacks_headers_into_the_package(store, tmp_path):
     package = tmp_path / "site" / "flashinfer"
     assert stage.install(store, package, "0.6.11.post1") == []
-    assert (package / "data/cutlass/include/cutlass/cutlass.h").read_text() == "#define CUTLASS 1"
+    assert (
+        package / "data/cutlass/include/cutlass/cutlass.h"
+    ).read_text() == "#define CUTLASS 1"
     assert (package / "data/cccl/cub/cub.cuh").is_file()
 
 
 def test_install_refuses_another_version_and_a_damaged_archive(store, tmp_path):
-    with pytest.raises(SystemExit, match="headers are for flashinfer 0.6.11.post1, this host imports 0.6.12"):
+    with pytest.raises(
+        SystemExit,
+        match="headers are for flashinfer 0.6.11.post1, this host imports 0.6.12",
+    ):
         stage.install(store, tmp_path / "pkg", "0.6.12")
     with (store / stage.HEADERS).open("ab") as f:
         f.write(b"\0")
@@ -57,13 +66,28 @@ def test_install_refuses_another_version_and_a_damaged_archive(store, tmp_path):
 
 def test_collected_modules_come_back_as_aot_modules(store, tmp_path):
     jit, aot = tmp_path / "cached_ops", tmp_path / "aot"
-    for root, name in ((jit, "batch_prefill_hd128"), (jit, "norm"), (aot, "batch_decode_hd64"), (aot, "norm")):
+    for root, name in (
+        (jit, "batch_prefill_hd128"),
+        (jit, "norm"),
+        (aot, "batch_decode_hd64"),
+        (aot, "norm"),
+    ):
         (root / name).mkdir(parents=True)
         (root / name / f"{name}.so").write_bytes(root.name.encode())
     (jit / "norm" / "norm.cuda.o").write_bytes(b"object files stay")
     (jit / "norm" / "helper.so").write_bytes(b"not the module")
-    assert stage.collect(store, [jit, aot]) == ["batch_decode_hd64", "batch_prefill_hd128", "norm"]
+    assert stage.collect(store, [jit, aot]) == [
+        "batch_decode_hd64",
+        "batch_prefill_hd128",
+        "norm",
+    ]
     package = tmp_path / "host" / "flashinfer"
-    assert stage.install(store, package, "0.6.11.post1") == ["batch_decode_hd64", "batch_prefill_hd128", "norm"]
-    assert (package / "data/aot/norm/norm.so").read_bytes() == b"cached_ops", "the JIT build wins over a carried one"
+    assert stage.install(store, package, "0.6.11.post1") == [
+        "batch_decode_hd64",
+        "batch_prefill_hd128",
+        "norm",
+    ]
+    assert (
+        package / "data/aot/norm/norm.so"
+    ).read_bytes() == b"cached_ops", "the JIT build wins over a carried one"
     assert sorted(p.name for p in (package / "data/aot/norm").iterdir()) == ["norm.so"]

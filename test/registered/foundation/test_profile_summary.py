@@ -28,9 +28,16 @@ def _runtime(name, ts=0, dur=1):
 def test_summary_counts_per_step_and_merges_overlapping_kernels(tmp_path):
     events = [
         # Two steps over 0..100 us; kernels on two streams overlap at 10..20.
-        _kernel("gemm", 0, 20), _kernel("topk", 10, 20), _kernel("gemm", 60, 20), _kernel("copy", 90, 10),
-        _runtime("cudaLaunchKernel"), _runtime("cudaLaunchKernel"), _runtime("cudaLaunchKernel"),
-        _runtime("cudaGraphLaunch"), _runtime("cudaStreamSynchronize"), _runtime("cudaMemcpyAsync"),
+        _kernel("gemm", 0, 20),
+        _kernel("topk", 10, 20),
+        _kernel("gemm", 60, 20),
+        _kernel("copy", 90, 10),
+        _runtime("cudaLaunchKernel"),
+        _runtime("cudaLaunchKernel"),
+        _runtime("cudaLaunchKernel"),
+        _runtime("cudaGraphLaunch"),
+        _runtime("cudaStreamSynchronize"),
+        _runtime("cudaMemcpyAsync"),
         {**_runtime("cuLaunchKernelEx"), "cat": "cuda_driver"},  # triton's launches
         {"cat": "cpu_op", "name": "aten::topk", "ts": 0, "dur": 8},
         {"cat": "cpu_op", "name": "aten::topk", "ts": 50, "dur": 4},
@@ -57,21 +64,43 @@ def test_sync_callers_are_the_innermost_enclosing_sglang_frames():
     events = [
         _frame("sglang/srt/managers/scheduler.py(10): event_loop", 0, 1000),
         _frame("sglang/srt/speculative/eagle_worker_v2.py(50): verify", 100, 300),
-        _frame("torch/cuda/streams.py(9): synchronize", 150, 100),  # not sglang: skipped
-        _frame("sglang/srt/speculative/eagle_worker_v2.py(70): draft", 500, 100),  # after: not enclosing
+        _frame(
+            "torch/cuda/streams.py(9): synchronize", 150, 100
+        ),  # not sglang: skipped
+        _frame(
+            "sglang/srt/speculative/eagle_worker_v2.py(70): draft", 500, 100
+        ),  # after: not enclosing
         _frame("sglang/srt/other.py(1): elsewhere", 160, 20, tid=2),  # other thread
     ]
-    runtime = [{"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 160, "dur": 80, "tid": 1}]
+    runtime = [
+        {
+            "cat": "cuda_runtime",
+            "name": "cudaStreamSynchronize",
+            "ts": 160,
+            "dur": 80,
+            "tid": 1,
+        }
+    ]
 
-    callers = profile_decode.sync_callers(events + runtime, runtime, num_steps=2, depth=2)
+    callers = profile_decode.sync_callers(
+        events + runtime, runtime, num_steps=2, depth=2
+    )
 
-    assert callers == [("srt/speculative/eagle_worker_v2.py(50): verify <- "
-                        "srt/managers/scheduler.py(10): event_loop", 40.0)]
+    assert callers == [
+        (
+            "srt/speculative/eagle_worker_v2.py(50): verify <- "
+            "srt/managers/scheduler.py(10): event_loop",
+            40.0,
+        )
+    ]
 
 
 def test_env_pairs_are_parsed_and_bad_ones_refused():
     assert profile_decode.parse_env(["SGLANG_KV_CANARY=raise", "X=a=b", "EMPTY="]) == {
-        "SGLANG_KV_CANARY": "raise", "X": "a=b", "EMPTY": ""}
+        "SGLANG_KV_CANARY": "raise",
+        "X": "a=b",
+        "EMPTY": "",
+    }
     with pytest.raises(SystemExit, match="expected KEY=VALUE"):
         profile_decode.parse_env(["SGLANG_KV_CANARY"])
 
@@ -84,18 +113,29 @@ def test_python_frames_rank_sglang_functions_by_inclusive_time():
         _frame("torch/x.py(3): not_ours", 0, 500),
     ]
     assert profile_decode.python_frames(events, num_steps=2, top=5) == [
-        ("srt/a.py(1): outer", 50.0), ("srt/b.py(2): inner", 30.0)]
+        ("srt/a.py(1): outer", 50.0),
+        ("srt/b.py(2): inner", 30.0),
+    ]
 
 
 def test_outermost_time_counts_nested_frames_once_per_thread():
     events = [
         _frame("sglang/srt/kv_canary/manager.py(1): bracket", 0, 100),
-        _frame("sglang/srt/kv_canary/single_forward.py(2): stage", 10, 50),  # inside the bracket
-        _frame("sglang/srt/kv_canary/manager.py(3): report", 90, 30),  # overlaps its end: +20
-        _frame("sglang/srt/kv_canary/manager.py(1): bracket", 0, 40, tid=2),  # another thread
+        _frame(
+            "sglang/srt/kv_canary/single_forward.py(2): stage", 10, 50
+        ),  # inside the bracket
+        _frame(
+            "sglang/srt/kv_canary/manager.py(3): report", 90, 30
+        ),  # overlaps its end: +20
+        _frame(
+            "sglang/srt/kv_canary/manager.py(1): bracket", 0, 40, tid=2
+        ),  # another thread
         _frame("sglang/srt/speculative/x.py(4): draft", 0, 1000),  # not canary
     ]
-    assert profile_decode.outermost_time(events, "kv_canary/", num_steps=2) == (100 + 20 + 40) / 2
+    assert (
+        profile_decode.outermost_time(events, "kv_canary/", num_steps=2)
+        == (100 + 20 + 40) / 2
+    )
 
 
 def test_python_self_time_subtracts_callees_per_thread():
@@ -104,13 +144,18 @@ def test_python_self_time_subtracts_callees_per_thread():
         _frame("sglang/srt/b.py(2): verify", 10, 30),
         _frame("sglang/srt/c.py(3): move", 15, 5),
         _frame("sglang/srt/b.py(2): verify", 50, 20),
-        _frame("sglang/srt/c.py(3): move", 0, 40, tid=2),  # another thread: its own stack
+        _frame(
+            "sglang/srt/c.py(3): move", 0, 40, tid=2
+        ),  # another thread: its own stack
     ]
 
     self_time = dict(profile_decode.python_self_time(events, num_steps=1, top=10))
 
-    assert self_time == {"srt/a.py(1): loop": 50.0, "srt/b.py(2): verify": 45.0,
-                         "srt/c.py(3): move": 45.0}
+    assert self_time == {
+        "srt/a.py(1): loop": 50.0,
+        "srt/b.py(2): verify": 45.0,
+        "srt/c.py(3): move": 45.0,
+    }
 
 
 def test_host_time_differences_rank_frames_by_the_gap_between_two_configs():
@@ -120,31 +165,52 @@ def test_host_time_differences_rank_frames_by_the_gap_between_two_configs():
     rows = profile_decode.host_time_differences(v2, v1, top=3)
 
     # resolve_future exists only in v2 (counts 0 in v1); draft costs the same and drops out.
-    assert rows == [("resolve_future", 120.0, 0.0, 120.0), ("verify", 900.0, 950.0, -50.0),
-                    ("v1_only", 0.0, 30.0, -30.0)]
+    assert rows == [
+        ("resolve_future", 120.0, 0.0, 120.0),
+        ("verify", 900.0, 950.0, -50.0),
+        ("v1_only", 0.0, 30.0, -30.0),
+    ]
 
 
 def test_scheduler_thread_frames_keep_their_names_across_traces():
     events = [
-        _frame("sglang/srt/managers/scheduler.py(1579): event_loop_overlap", 0, 100, tid=7),
-        _frame("<built-in method copy_ of Tensor object at 0x7f46cd1eaf30>", 10, 30, tid=7),
+        _frame(
+            "sglang/srt/managers/scheduler.py(1579): event_loop_overlap", 0, 100, tid=7
+        ),
+        _frame(
+            "<built-in method copy_ of Tensor object at 0x7f46cd1eaf30>", 10, 30, tid=7
+        ),
         _frame("threading.py(359): wait", 0, 100, tid=3),  # an idle helper thread
     ]
 
     scheduler = profile_decode.scheduler_thread_events(events)
     self_time = dict(profile_decode.python_self_time(scheduler, num_steps=1, top=10))
 
-    assert self_time == {"srt/managers/scheduler.py(1579): event_loop_overlap": 70.0,
-                         "<built-in method copy_ of Tensor object>": 30.0}
+    assert self_time == {
+        "srt/managers/scheduler.py(1579): event_loop_overlap": 70.0,
+        "<built-in method copy_ of Tensor object>": 30.0,
+    }
 
 
 def _gpu(cat, ts, dur, correlation):
-    return {"cat": cat, "name": cat, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+    return {
+        "cat": cat,
+        "name": cat,
+        "ts": ts,
+        "dur": dur,
+        "args": {"correlation": correlation},
+    }
 
 
 def _launch(name, ts, dur, correlation, tid=1):
-    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "tid": tid,
-            "args": {"correlation": correlation}}
+    return {
+        "cat": "cuda_runtime",
+        "name": name,
+        "ts": ts,
+        "dur": dur,
+        "tid": tid,
+        "args": {"correlation": correlation},
+    }
 
 
 def test_gpu_idle_gaps_are_charged_to_the_launch_that_ended_them():
@@ -154,16 +220,24 @@ def test_gpu_idle_gaps_are_charged_to_the_launch_that_ended_them():
         _frame("sglang/srt/speculative/eagle_worker_v2.py(90): verify", 300, 200),
         # Kernel 1 at 10..40, launched by draft. The copy ending the 40..60 gap was queued
         # at 20 (before the gap opened): a dependency wait, not the host.
-        _launch("cudaLaunchKernel", 5, 3, correlation=1), _gpu("kernel", 10, 30, 1),
-        _launch("cudaMemcpyAsync", 20, 2, correlation=2), _gpu("gpu_memcpy", 60, 20, 2),
+        _launch("cudaLaunchKernel", 5, 3, correlation=1),
+        _gpu("kernel", 10, 30, 1),
+        _launch("cudaMemcpyAsync", 20, 2, correlation=2),
+        _gpu("gpu_memcpy", 60, 20, 2),
         # The GPU idles 80..350 until verify's graph launch at 340 reaches it.
-        _launch("cudaGraphLaunch", 340, 5, correlation=3), _gpu("kernel", 350, 100, 3),
+        _launch("cudaGraphLaunch", 340, 5, correlation=3),
+        _gpu("kernel", 350, 100, 3),
         # A kernel overlapping the previous one (another stream) closes no gap.
-        _launch("cudaLaunchKernel", 360, 3, correlation=4), _gpu("kernel", 400, 10, 4),
+        _launch("cudaLaunchKernel", 360, 3, correlation=4),
+        _gpu("kernel", 400, 10, 4),
         # No enclosing sglang frame: the runtime call names the site.
-        _launch("cudaLaunchKernel", 600, 3, correlation=5, tid=2), _gpu("gpu_memset", 610, 5, 5),
+        _launch("cudaLaunchKernel", 600, 3, correlation=5, tid=2),
+        _gpu("gpu_memset", 610, 5, 5),
         # Triton launches through the driver API.
-        {**_launch("cuLaunchKernelEx", 640, 3, correlation=6, tid=2), "cat": "cuda_driver"},
+        {
+            **_launch("cuLaunchKernelEx", 640, 3, correlation=6, tid=2),
+            "cat": "cuda_driver",
+        },
         _gpu("kernel", 645, 5, 6),
         # A GPU event whose launch is missing from the trace.
         _gpu("kernel", 700, 5, 99),
@@ -183,6 +257,10 @@ def test_gpu_idle_gaps_are_charged_to_the_launch_that_ended_them():
 
 
 def test_gpu_idle_of_a_trace_without_gaps_is_empty():
-    events = [_launch("cudaLaunchKernel", 0, 1, 1), _gpu("kernel", 1, 10, 1),
-              _launch("cudaLaunchKernel", 2, 1, 2), _gpu("kernel", 11, 10, 2)]
+    events = [
+        _launch("cudaLaunchKernel", 0, 1, 1),
+        _gpu("kernel", 1, 10, 1),
+        _launch("cudaLaunchKernel", 2, 1, 2),
+        _gpu("kernel", 11, 10, 2),
+    ]
     assert profile_decode.gpu_idle_by_launch_site(events, num_steps=1) == []

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
+
 from sglang.srt.kv_canary import api
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 

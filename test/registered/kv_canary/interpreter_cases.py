@@ -6,28 +6,33 @@ from __future__ import annotations
 
 import os
 
+import kernel_cases
 import pytest
 import torch
-
-import kernel_cases
 from canary_sim import SimEngine
+
 from sglang.srt.kv_canary import kernels
 from sglang.srt.kv_canary.faults import ENV_FAULT, ENV_FAULT_STEP
 from sglang.srt.kv_canary.report import STATS, KVCanaryViolationError
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_kernels_interpreter.py with TRITON_INTERPRET=1"
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="run by test_kernels_interpreter.py with TRITON_INTERPRET=1",
 )
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("case", kernel_cases.CASES, ids=[c.name for c in kernel_cases.CASES])
+@pytest.mark.parametrize(
+    "case", kernel_cases.CASES, ids=[c.name for c in kernel_cases.CASES]
+)
 def test_kernel_matches_reference(case):
     assert kernel_cases.compare(case, kernels, CPU) is None
 
 
-@pytest.mark.parametrize("case", kernel_cases.STAGE_CASES, ids=[c.name for c in kernel_cases.STAGE_CASES])
+@pytest.mark.parametrize(
+    "case", kernel_cases.STAGE_CASES, ids=[c.name for c in kernel_cases.STAGE_CASES]
+)
 def test_stage_kernel_matches_reference(case):
     assert kernel_cases.compare_stage(case, kernels, CPU) is None
 
@@ -39,13 +44,22 @@ def test_the_manager_picks_the_kernels_here():
 
 @pytest.mark.parametrize("flavour", ["chain", "tree"])
 def test_simulated_run_is_clean_with_kernels(flavour):
-    kwargs = dict(num_steps=3) if flavour == "chain" else dict(num_steps=3, topk=2, num_draft_tokens=5, radix=True)
+    kwargs = (
+        dict(num_steps=3)
+        if flavour == "chain"
+        else dict(num_steps=3, topk=2, num_draft_tokens=5, radix=True)
+    )
     engine = SimEngine(seed=3, slots=300, **kwargs)
     engine.run_random(60)
-    assert STATS.as_dict()["violations_total"] == 0 and STATS.as_dict()["checks_total"] > 100
+    assert (
+        STATS.as_dict()["violations_total"] == 0
+        and STATS.as_dict()["checks_total"] > 100
+    )
 
 
-@pytest.mark.parametrize("kind", ["corrupt_slot", "misroute_req_to_token", "free_in_use"])
+@pytest.mark.parametrize(
+    "kind", ["corrupt_slot", "misroute_req_to_token", "free_in_use"]
+)
 def test_injected_faults_are_detected_with_kernels(monkeypatch, kind):
     monkeypatch.setenv(ENV_FAULT, kind)
     monkeypatch.setenv(ENV_FAULT_STEP, "8")
@@ -54,5 +68,6 @@ def test_injected_faults_are_detected_with_kernels(monkeypatch, kind):
         engine.run_random(200)
     injected = engine.target.fault_injector.injected
     assert (err.value.violations[0].req_row, err.value.violations[0].position) == (
-        injected.victim_row, injected.victim_position,
+        injected.victim_row,
+        injected.victim_position,
     )

@@ -65,9 +65,28 @@ CASES = [
     Case("padding_rows", padded_rows=2),
     Case("verify_off", verify_on=False),
     Case("speculative_write", record_tokens=False),
-    Case("long_prefix", rows=4, bs=2, context=3000, slots=8000, prefix_max=2900, damage=0.01, capacity=256),
+    Case(
+        "long_prefix",
+        rows=4,
+        bs=2,
+        context=3000,
+        slots=8000,
+        prefix_max=2900,
+        damage=0.01,
+        capacity=256,
+    ),
     Case("wrong_pool", wrong_pool=True, damage=0.0),
-] + [Case(f"random_{i}", seed=100 + i, bs=1 + i % 5, variable=bool(i % 2), token_offset=i % 2, borrowed=i % 3 == 0) for i in range(6)]
+] + [
+    Case(
+        f"random_{i}",
+        seed=100 + i,
+        bs=1 + i % 5,
+        variable=bool(i % 2),
+        token_offset=i % 2,
+        borrowed=i % 3 == 0,
+    )
+    for i in range(6)
+]
 
 
 @dataclass
@@ -87,16 +106,33 @@ def build(case: Case, device: torch.device) -> Built:
     torch.manual_seed(case.seed)
     cpu = torch.device("cpu")
     record = RequestRecord(torch.zeros(case.rows, case.context, dtype=torch.int32))
-    owner = record.register_group(object(), "g", is_draft=case.token_offset > 0, token_offset=case.token_offset, num_slots=case.slots)
-    other = record.register_group(object(), "other", is_draft=False, token_offset=case.token_offset, num_slots=case.slots)
+    owner = record.register_group(
+        object(),
+        "g",
+        is_draft=case.token_offset > 0,
+        token_offset=case.token_offset,
+        num_slots=case.slots,
+    )
+    other = record.register_group(
+        object(),
+        "other",
+        is_draft=False,
+        token_offset=case.token_offset,
+        num_slots=case.slots,
+    )
     record.row_tag.copy_(torch.randint(-(2**62), 2**62, (case.rows,)))
 
     total_rows = case.bs + case.padded_rows
     rows = rng.sample(range(1, case.rows), case.bs) + [0] * case.padded_rows
     free_slots = list(range(1, case.slots))
     rng.shuffle(free_slots)
-    prefix = [rng.randint(0, case.prefix_max) for _ in range(case.bs)] + [0] * case.padded_rows
-    new_lens = [rng.randint(1, case.new_tokens) if case.variable else case.new_tokens for _ in range(total_rows)]
+    prefix = [rng.randint(0, case.prefix_max) for _ in range(case.bs)] + [
+        0
+    ] * case.padded_rows
+    new_lens = [
+        rng.randint(1, case.new_tokens) if case.variable else case.new_tokens
+        for _ in range(total_rows)
+    ]
     max_col = case.context - case.new_tokens - case.token_offset - 1
     prefix = [min(p, max_col) for p in prefix]
 
@@ -111,11 +147,21 @@ def build(case: Case, device: torch.device) -> Built:
         own_from = rng.randint(0, n) if case.borrowed else 0
         record.row_own_from[row] = own_from
         for group in (owner, other):  # each pool's runner stamps its own salt
-            reference.write_fingerprints(record, group, group, FingerprintWrite(
-                out_cache_loc=torch.tensor(slots), positions=torch.arange(n), input_ids=tokens,
-                req_pool_indices=torch.tensor([row]), token_batch_rows=None, tokens_per_row=n,
-                live_rows=torch.tensor([1], dtype=torch.int32), record_tokens=True,
-            ))
+            reference.write_fingerprints(
+                record,
+                group,
+                group,
+                FingerprintWrite(
+                    out_cache_loc=torch.tensor(slots),
+                    positions=torch.arange(n),
+                    input_ids=tokens,
+                    req_pool_indices=torch.tensor([row]),
+                    token_batch_rows=None,
+                    tokens_per_row=n,
+                    live_rows=torch.tensor([1], dtype=torch.int32),
+                    record_tokens=True,
+                ),
+            )
         if own_from:  # borrowed positions: the row has no token record of its own there
             record.token_at[row, : own_from + case.token_offset] = -7
 
@@ -154,7 +200,9 @@ def build(case: Case, device: torch.device) -> Built:
         positions=torch.tensor(positions, dtype=torch.int64),
         input_ids=torch.randint(0, 50000, (n_tokens,)),
         req_pool_indices=torch.tensor(rows, dtype=torch.int64),
-        token_batch_rows=torch.tensor(batch_rows, dtype=torch.int32) if case.variable else None,
+        token_batch_rows=(
+            torch.tensor(batch_rows, dtype=torch.int32) if case.variable else None
+        ),
         tokens_per_row=0 if case.variable else case.new_tokens,
         live_rows=live,
         record_tokens=case.record_tokens,
@@ -165,7 +213,14 @@ def build(case: Case, device: torch.device) -> Built:
         live_rows=live,
         verify_on=torch.tensor([int(case.verify_on)], dtype=torch.int32),
     )
-    built = Built(record, other if case.wrong_pool else owner, owner, write, check, ViolationSink.allocate(case.capacity, cpu))
+    built = Built(
+        record,
+        other if case.wrong_pool else owner,
+        owner,
+        write,
+        check,
+        ViolationSink.allocate(case.capacity, cpu),
+    )
     return to_device(built, device)
 
 
@@ -177,7 +232,10 @@ def to_device(built: Built, device: torch.device) -> Built:
     moved = RequestRecord.__new__(RequestRecord)
     moved.__dict__.update({k: move(v) for k, v in record.__dict__.items()})
     moved.device = device
-    moved.groups = [replace(g, slot_fp=move(g.slot_fp), slot_writer=move(g.slot_writer)) for g in record.groups]
+    moved.groups = [
+        replace(g, slot_fp=move(g.slot_fp), slot_writer=move(g.slot_writer))
+        for g in record.groups
+    ]
     by_name = {g.name: g for g in moved.groups}
     return Built(
         record=moved,
@@ -190,7 +248,9 @@ def to_device(built: Built, device: torch.device) -> Built:
 
 
 def run(impl, built: Built) -> None:
-    impl.verify_fingerprints(built.record, built.storage, built.owner, built.check, built.sink)
+    impl.verify_fingerprints(
+        built.record, built.storage, built.owner, built.check, built.sink
+    )
     impl.write_fingerprints(built.record, built.storage, built.owner, built.write)
 
 
@@ -219,7 +279,9 @@ def outcome(built: Built) -> Outcome:
 
 def compare(case: Case, impl, device: torch.device) -> Optional[str]:
     """Run `impl` on `device` and the reference on CPU; None when they agree."""
-    ref_built = build(replace(case, capacity=max(case.capacity, 100_000)), torch.device("cpu"))
+    ref_built = build(
+        replace(case, capacity=max(case.capacity, 100_000)), torch.device("cpu")
+    )
     run(reference, ref_built)
     expected = outcome(ref_built)
 
@@ -232,10 +294,14 @@ def compare(case: Case, impl, device: torch.device) -> Optional[str]:
         if not torch.equal(getattr(expected, name), getattr(got, name)):
             problems.append(f"{name} differs")
     if (expected.count, expected.checks) != (got.count, got.checks):
-        problems.append(f"count/checks {got.count}/{got.checks} != reference {expected.count}/{expected.checks}")
+        problems.append(
+            f"count/checks {got.count}/{got.checks} != reference {expected.count}/{expected.checks}"
+        )
     if got.count <= case.capacity:
         if got.records != expected.records:
-            problems.append(f"records differ: {sorted(got.records ^ expected.records)[:4]}")
+            problems.append(
+                f"records differ: {sorted(got.records ^ expected.records)[:4]}"
+            )
     elif len(got.records) != case.capacity or not got.records <= expected.records:
         problems.append("overflowing records are not a subset of the reference's")
     return "; ".join(problems) or None
@@ -257,11 +323,15 @@ class StageCase:
     bs: int = 4
     max_rows: int = 16
     tokens_per_row: int = 1  # uniform layout
-    variable: bool = False  # rows of random length (extend_seq_lens), zero-length rows included
+    variable: bool = (
+        False  # rows of random length (extend_seq_lens), zero-length rows included
+    )
     speculative_tail: int = 0
     verify: bool = True
     positions_dtype: torch.dtype = torch.int64
-    num_sinks: int = 1  # single forwards of the manager (EAGLE draft: inner draft steps)
+    num_sinks: int = (
+        1  # single forwards of the manager (EAGLE draft: inner draft steps)
+    )
 
 
 STAGE_CASES = [
@@ -288,15 +358,21 @@ def build_stage(case: StageCase, device: torch.device):
         num_tokens = int(lens.sum())
     else:
         num_tokens = case.bs * case.tokens_per_row
-    positions = torch.randint(0, 1000, (max(num_tokens, 1),), generator=gen).to(case.positions_dtype)
+    positions = torch.randint(0, 1000, (max(num_tokens, 1),), generator=gen).to(
+        case.positions_dtype
+    )
     buffers = PlanBuffers.allocate(case.max_rows, device)
-    buffers.verify_lens.copy_(torch.randint(-5, 50, (case.max_rows,), generator=gen, dtype=torch.int32))
+    buffers.verify_lens.copy_(
+        torch.randint(-5, 50, (case.max_rows,), generator=gen, dtype=torch.int32)
+    )
     buffers.live_rows.fill_(99)
     buffers.verify_on.fill_(7)
     # Every sink of the manager holds an earlier bracket's counts; stage empties them all.
     sinks = ViolationSinks.allocate(case.num_sinks, 8, device)
     sinks.storage[:, 0, :2] = torch.randint(1, 50, (case.num_sinks, 2), generator=gen)
-    sinks.storage[:, 1:] = 5  # records of earlier forwards stay (past the count, never read)
+    sinks.storage[:, 1:] = (
+        5  # records of earlier forwards stay (past the count, never read)
+    )
     plan = ForwardPlan(
         positions=positions.to(device),
         extend_seq_lens=None if lens is None else lens.to(device),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from canary_sim import Batch, Mode
+
 from sglang.srt.kv_canary import batch_view
 
 
@@ -19,20 +19,29 @@ def _batch(mode, positions, rows, extend_lens=None, n_tokens=None):
         input_ids=torch.zeros(n, dtype=torch.int64),
         out_cache_loc=torch.arange(n),
         token_to_kv_pool=None,
-        extend_seq_lens=None if extend_lens is None else torch.tensor(extend_lens, dtype=torch.int32),
+        extend_seq_lens=(
+            None
+            if extend_lens is None
+            else torch.tensor(extend_lens, dtype=torch.int32)
+        ),
     )
 
 
-@pytest.mark.parametrize("mode,positions,rows,extend_lens,prefix", [
-    # extend: rows carry different numbers of tokens; the prefix is where each starts
-    (Mode.EXTEND, [4, 5, 6, 0, 1], [3, 5], [3, 2], [4, 0]),
-    # decode: one token per row, at seq_len - 1
-    (Mode.DECODE, [9, 2], [3, 5], None, [9, 2]),
-    # target verify / draft extend v2: a block per row starting at the committed length
-    (Mode.TARGET_VERIFY, [7, 8, 8, 9, 3, 4, 4, 5], [3, 5], None, [7, 3]),
-    (Mode.DRAFT_EXTEND_V2, [7, 8, 9, 3, 4, 5], [3, 5], [3, 3], [7, 3]),
-])
-def test_prefix_lens_are_each_rows_first_position(mode, positions, rows, extend_lens, prefix):
+@pytest.mark.parametrize(
+    "mode,positions,rows,extend_lens,prefix",
+    [
+        # extend: rows carry different numbers of tokens; the prefix is where each starts
+        (Mode.EXTEND, [4, 5, 6, 0, 1], [3, 5], [3, 2], [4, 0]),
+        # decode: one token per row, at seq_len - 1
+        (Mode.DECODE, [9, 2], [3, 5], None, [9, 2]),
+        # target verify / draft extend v2: a block per row starting at the committed length
+        (Mode.TARGET_VERIFY, [7, 8, 8, 9, 3, 4, 4, 5], [3, 5], None, [7, 3]),
+        (Mode.DRAFT_EXTEND_V2, [7, 8, 9, 3, 4, 5], [3, 5], [3, 3], [7, 3]),
+    ],
+)
+def test_prefix_lens_are_each_rows_first_position(
+    mode, positions, rows, extend_lens, prefix
+):
     batch = _batch(mode, positions, rows, extend_lens)
     view = batch_view.view_of(batch)
     assert batch_view.read_prefix_lens(batch, view).tolist() == prefix
@@ -53,10 +62,16 @@ def test_uniform_layout_and_uneven_split_error():
 
 def test_which_forwards_record_tokens():
     def records(mode, is_draft):
-        return batch_view.records_tokens(batch_view.view_of(_batch(mode, [0], [1])), is_draft)
+        return batch_view.records_tokens(
+            batch_view.view_of(_batch(mode, [0], [1])), is_draft
+        )
 
-    assert records(Mode.EXTEND, False) and records(Mode.EXTEND, True)  # prompt, draft prefill
-    assert records(Mode.DECODE, False) and not records(Mode.DECODE, True)  # draft steps speculate
+    assert records(Mode.EXTEND, False) and records(
+        Mode.EXTEND, True
+    )  # prompt, draft prefill
+    assert records(Mode.DECODE, False) and not records(
+        Mode.DECODE, True
+    )  # draft steps speculate
     assert not records(Mode.TARGET_VERIFY, False)  # tree nodes share positions
     assert records(Mode.DRAFT_EXTEND_V2, True)  # accepted tokens get recorded here
 
@@ -75,4 +90,6 @@ def test_every_upstream_forward_mode_is_known():
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     assert {m.name for m in ForwardMode} <= batch_view.KNOWN_MODES
-    assert {m.name for m in Mode} == batch_view.KNOWN_MODES  # the tests' stand-in matches
+    assert {
+        m.name for m in Mode
+    } == batch_view.KNOWN_MODES  # the tests' stand-in matches

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from canary_sim import Batch, SimEngine, draft_step_batch
+
 from sglang.srt.kv_canary import api
 from sglang.srt.kv_canary.config import CanaryMode
 from sglang.srt.kv_canary.manager import CanaryBracketError
@@ -41,7 +41,9 @@ def test_nested_outside_bracket_is_an_error(engine):
 
 def test_index_out_of_range_is_an_error(engine):
     with pytest.raises(CanaryBracketError, match="out of range"):
-        with engine.draft.with_active_single_forward_manager(3):  # num_steps - 1 == 3 forwards: 0..2
+        with engine.draft.with_active_single_forward_manager(
+            3
+        ):  # num_steps - 1 == 3 forwards: 0..2
             pass
     with pytest.raises(CanaryBracketError, match="out of range"):
         with engine.draft.with_ops_outside_graph([0, 5], draft_step_batch(engine, 0)):
@@ -69,7 +71,9 @@ def test_pre_op_on_a_step_the_bracket_did_not_stage_is_an_error(engine):
 def test_draft_pre_op_needs_an_active_step(engine):
     batch = draft_step_batch(engine, 0)
     with engine.draft.with_ops_outside_graph([0, 1, 2], batch):
-        with pytest.raises(CanaryBracketError, match="needs with_active_single_forward_manager"):
+        with pytest.raises(
+            CanaryBracketError, match="needs with_active_single_forward_manager"
+        ):
             engine.draft.pre_ops_maybe_inside_graph(batch)
 
 
@@ -111,8 +115,14 @@ def test_pre_ops_dispatch_to_the_active_steps_single_forward(engine):
     prefix = sum(r.kv_len for r in engine.reqs.values())
     assert seen_checks == [[prefix, 0, 0], [prefix, 0, prefix]]
     by_group = engine.draft.reporter.stats.checks_by_group
-    assert {k: v for k, v in by_group.items() if k != "draft step 0"} == {"target": 0, "draft step 1": 0, "draft step 2": prefix}
-    assert by_group["draft step 0"] == prefix  # the admissions' draft extends checked nothing (no prefix)
+    assert {k: v for k, v in by_group.items() if k != "draft step 0"} == {
+        "target": 0,
+        "draft step 1": 0,
+        "draft step 2": prefix,
+    }
+    assert (
+        by_group["draft step 0"] == prefix
+    )  # the admissions' draft extends checked nothing (no prefix)
 
 
 def test_violations_are_reported_under_the_steps_name(engine):
@@ -125,7 +135,12 @@ def test_violations_are_reported_under_the_steps_name(engine):
             with engine.draft.with_active_single_forward_manager(1):
                 engine.draft.pre_ops_maybe_inside_graph(draft_step_batch(engine, 1))
     (violation,) = err.value.violations
-    assert (violation.group, violation.rid, violation.position, violation.slot) == ("draft step 1", req.rid, 1, slot)
+    assert (violation.group, violation.rid, violation.position, violation.slot) == (
+        "draft step 1",
+        req.rid,
+        1,
+        slot,
+    )
 
 
 def test_log_mode_counts_without_raising():
@@ -134,7 +149,9 @@ def test_log_mode_counts_without_raising():
     engine.target.group.slot_fp[int(engine.r2t[req.row, 4])] = 12345
     engine.decode([req])
     stats = engine.target.reporter.stats.as_dict()
-    assert stats["violations_total"] == 1 and stats["violations_by_group"]["target"] == 1
+    assert (
+        stats["violations_total"] == 1 and stats["violations_by_group"]["target"] == 1
+    )
     assert engine.target.reporter.last_violations[0].position == 4
 
 
@@ -154,4 +171,6 @@ def test_draft_extend_brackets_stage_single_forward_zero(engine):
     assert engine.draft.reporter.stats.checks_by_group["draft step 0"] > 0
     with api.draft_extend_brackets(engine.draft, draft_step_batch(engine, 0)):
         assert engine.draft.single_forwards[0].is_staged and engine.draft._active == 0
-    assert not engine.draft.single_forwards[0].is_staged and engine.draft._active is None
+    assert (
+        not engine.draft.single_forwards[0].is_staged and engine.draft._active is None
+    )

@@ -13,6 +13,7 @@ import re
 from contextlib import contextmanager
 
 import pytest
+
 from specpatch import engine as eng
 from specpatch import synth
 

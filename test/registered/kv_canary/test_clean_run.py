@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from canary_sim import SimEngine
+
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode, VerifySampler
 from sglang.srt.kv_canary.report import STATS
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from sglang.srt.kv_canary import api
 from sglang.srt.kv_canary.config import (
     ENV_MODE,

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from canary_sim import FakePool, FakeReqToTokenPool, spec_server_args
+
 from sglang.srt.kv_canary import api
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode
 from sglang.srt.kv_canary.draft_feed import (

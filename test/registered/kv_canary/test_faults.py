@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from canary_sim import Batch, Mode, SimEngine
+
 from sglang.srt.kv_canary import faults
 from sglang.srt.kv_canary.config import CanaryMode
 from sglang.srt.kv_canary.faults import (

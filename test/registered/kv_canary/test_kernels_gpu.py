@@ -3,11 +3,11 @@ model runner and the EAGLE draft graph runner will capture them."""
 
 from __future__ import annotations
 
+import kernel_cases
 import pytest
 import torch
-
-import kernel_cases
 from canary_sim import Batch, Mode, SimEngine
+
 from sglang.srt.kv_canary import api, kernels, reference
 from sglang.srt.kv_canary.report import STATS, KVCanaryViolationError
 
@@ -16,12 +16,16 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 
-@pytest.mark.parametrize("case", kernel_cases.CASES, ids=[c.name for c in kernel_cases.CASES])
+@pytest.mark.parametrize(
+    "case", kernel_cases.CASES, ids=[c.name for c in kernel_cases.CASES]
+)
 def test_kernel_matches_reference_on_cuda(case):
     assert kernel_cases.compare(case, kernels, CUDA) is None
 
 
-@pytest.mark.parametrize("case", kernel_cases.STAGE_CASES, ids=[c.name for c in kernel_cases.STAGE_CASES])
+@pytest.mark.parametrize(
+    "case", kernel_cases.STAGE_CASES, ids=[c.name for c in kernel_cases.STAGE_CASES]
+)
 def test_stage_kernel_matches_reference_on_cuda(case):
     assert kernel_cases.compare_stage(case, kernels, CUDA) is None
 
@@ -76,7 +80,9 @@ class GraphSim(SimEngine):
     def run_draft_steps(self, staged, step_batches):
         if not step_batches:
             return super().run_draft_steps(staged, step_batches)
-        graph, statics = self._graph("draft", _pad(staged.batch_size), len(step_batches))
+        graph, statics = self._graph(
+            "draft", _pad(staged.batch_size), len(step_batches)
+        )
         for static, step in zip(statics, step_batches):
             _fill(static, step)
         with api.outside_graph(self.draft, staged, indices=range(len(step_batches))):
@@ -86,13 +92,19 @@ class GraphSim(SimEngine):
         key = (which, bs)
         if key not in self._graphs:
             manager, pool, per_row = (
-                (self.target, self.target_pool, 1) if which == "target" else (self.draft, self.draft_pool, self.topk)
+                (self.target, self.target_pool, 1)
+                if which == "target"
+                else (self.draft, self.draft_pool, self.topk)
             )
-            statics = [_static(Mode.DECODE, bs, per_row, pool) for _ in range(num_forwards)]
+            statics = [
+                _static(Mode.DECODE, bs, per_row, pool) for _ in range(num_forwards)
+            ]
 
             def forwards():
                 for i, static in enumerate(statics):
-                    with api.active_step(manager, i) if which == "draft" else _nothing():
+                    with (
+                        api.active_step(manager, i) if which == "draft" else _nothing()
+                    ):
                         api.pre_ops(manager, static)
 
             self._graphs[key] = (_capture(manager, forwards), statics)
@@ -109,7 +121,9 @@ class _nothing:
 
 def _state(engine: SimEngine) -> list[torch.Tensor]:
     groups = [engine.target.group] + ([engine.draft.group] if engine.draft else [])
-    return [t.cpu() for g in groups for t in (g.slot_fp, g.slot_writer)] + [engine.target.record.token_at.cpu()]
+    return [t.cpu() for g in groups for t in (g.slot_fp, g.slot_writer)] + [
+        engine.target.record.token_at.cpu()
+    ]
 
 
 @pytest.mark.parametrize("flavour", ["no_spec", "eagle_chain", "eagle_tree"])
@@ -169,20 +183,38 @@ def test_variable_extend_captures_and_replays():
         engine._ensure_slots(r, r.kv_len + 3)
     reqs = list(engine.reqs.values())
     batch = Batch(
-        Mode.DRAFT_EXTEND, 3, torch.tensor(rows, device=CUDA),
-        torch.tensor([r.kv_len + j for r, n in zip(reqs, lens) for j in range(n)], device=CUDA),
+        Mode.DRAFT_EXTEND,
+        3,
+        torch.tensor(rows, device=CUDA),
+        torch.tensor(
+            [r.kv_len + j for r, n in zip(reqs, lens) for j in range(n)], device=CUDA
+        ),
         torch.tensor([7 + j for n in lens for j in range(n)], device=CUDA),
-        torch.tensor([int(engine.r2t[r.row, r.kv_len + j]) for r, n in zip(reqs, lens) for j in range(n)], device=CUDA),
-        engine.target_pool, extend_seq_lens=torch.tensor(lens, dtype=torch.int32, device=CUDA), rids=[r.rid for r in reqs],
+        torch.tensor(
+            [
+                int(engine.r2t[r.row, r.kv_len + j])
+                for r, n in zip(reqs, lens)
+                for j in range(n)
+            ],
+            device=CUDA,
+        ),
+        engine.target_pool,
+        extend_seq_lens=torch.tensor(lens, dtype=torch.int32, device=CUDA),
+        rids=[r.rid for r in reqs],
     )
-    expected_fp, expected_tokens = engine.target.group.slot_fp.clone(), engine.target.record.token_at.clone()
+    expected_fp, expected_tokens = (
+        engine.target.group.slot_fp.clone(),
+        engine.target.record.token_at.clone(),
+    )
     twin = SimEngine(seed=9, device="cuda", eagle=False)
     # the eager twin runs the same forward through the kernels without a graph
     for _ in range(3):
         twin.admit(4)
     for r in twin.reqs.values():
         twin._ensure_slots(r, r.kv_len + 3)
-    twin.forward(twin.target, Batch(**{**batch.__dict__, "token_to_kv_pool": twin.target_pool}))
+    twin.forward(
+        twin.target, Batch(**{**batch.__dict__, "token_to_kv_pool": twin.target_pool})
+    )
 
     _fill(static, batch)
     static.extend_seq_lens.copy_(batch.extend_seq_lens)
@@ -196,29 +228,52 @@ def test_variable_extend_captures_and_replays():
 
 def test_pre_op_cost(record_metric):
     """Verify + write for a decode batch of 64 rows with 2k-token prefixes (informational)."""
-    engine = SimEngine(seed=1, device="cuda", eagle=False, rows=80, context=2100, slots=64 * 2100 + 8)
+    engine = SimEngine(
+        seed=1, device="cuda", eagle=False, rows=80, context=2100, slots=64 * 2100 + 8
+    )
     reqs = [engine.admit(20) for _ in range(64)]
     for r in reqs:  # pretend each already has 2000 tokens in KV, written by the canary
         engine._ensure_slots(r, 2001)
         positions = torch.arange(20, 2000, device=CUDA)
         ids = torch.randint(0, 1000, (positions.numel(),), device=CUDA)
-        engine.forward(engine.target, Batch(Mode.EXTEND, 1, torch.tensor([r.row], device=CUDA), positions, ids,
-                                            engine.r2t[r.row, 20:2000].to(torch.int64), engine.target_pool,
-                                            extend_seq_lens=torch.tensor([1980], dtype=torch.int32, device=CUDA),
-                                            rids=[r.rid]))
+        engine.forward(
+            engine.target,
+            Batch(
+                Mode.EXTEND,
+                1,
+                torch.tensor([r.row], device=CUDA),
+                positions,
+                ids,
+                engine.r2t[r.row, 20:2000].to(torch.int64),
+                engine.target_pool,
+                extend_seq_lens=torch.tensor([1980], dtype=torch.int32, device=CUDA),
+                rids=[r.rid],
+            ),
+        )
         r.kv_len = 2000
         r.tokens += [0] * (2001 - len(r.tokens))
-    batch = Batch(Mode.DECODE, 64, torch.tensor([r.row for r in reqs], device=CUDA),
-                  torch.full((64,), 2000, device=CUDA), torch.zeros(64, dtype=torch.int64, device=CUDA),
-                  torch.tensor([int(engine.r2t[r.row, 2000]) for r in reqs], device=CUDA), engine.target_pool,
-                  rids=[r.rid for r in reqs])
+    batch = Batch(
+        Mode.DECODE,
+        64,
+        torch.tensor([r.row for r in reqs], device=CUDA),
+        torch.full((64,), 2000, device=CUDA),
+        torch.zeros(64, dtype=torch.int64, device=CUDA),
+        torch.tensor([int(engine.r2t[r.row, 2000]) for r in reqs], device=CUDA),
+        engine.target_pool,
+        rids=[r.rid for r in reqs],
+    )
     static = _static(Mode.DECODE, 64, 1, engine.target_pool)
     graph = _capture(engine.target, lambda: api.pre_ops(engine.target, static))
     _fill(static, batch)
     with api.outside_graph(engine.target, batch):
         graph.replay()
-    assert STATS.as_dict()["checks_total"] >= 64 * 2000 and STATS.as_dict()["violations_total"] == 0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    assert (
+        STATS.as_dict()["checks_total"] >= 64 * 2000
+        and STATS.as_dict()["violations_total"] == 0
+    )
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+        enable_timing=True
+    )
     with api.outside_graph(engine.target, batch):
         start.record()
         for _ in range(100):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import kernel_cases
+
 from specpatch.interpret import interpreter_suite
 
 HERE = Path(__file__).resolve().parent
@@ -16,10 +17,16 @@ INNER = HERE / "interpreter_cases.py"
 
 INNER_TESTS = (
     [f"test_kernel_matches_reference[{c.name}]" for c in kernel_cases.CASES]
-    + [f"test_stage_kernel_matches_reference[{c.name}]" for c in kernel_cases.STAGE_CASES]
+    + [
+        f"test_stage_kernel_matches_reference[{c.name}]"
+        for c in kernel_cases.STAGE_CASES
+    ]
     + ["test_the_manager_picks_the_kernels_here"]
     + [f"test_simulated_run_is_clean_with_kernels[{f}]" for f in ("chain", "tree")]
-    + [f"test_injected_faults_are_detected_with_kernels[{k}]" for k in ("corrupt_slot", "misroute_req_to_token", "free_in_use")]
+    + [
+        f"test_injected_faults_are_detected_with_kernels[{k}]"
+        for k in ("corrupt_slot", "misroute_req_to_token", "free_in_use")
+    ]
 )
 
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 import random
 
 import torch
+from test_reference import Pools
 
 from sglang.srt.kv_canary import api
 from sglang.srt.kv_canary.tables import RequestRecord, move_fingerprints
-from test_reference import Pools
 
 
 def _group(n=16):
     record = RequestRecord(torch.zeros(2, 4, dtype=torch.int32))
-    group = record.register_group(object(), "target", is_draft=False, token_offset=0, num_slots=n)
+    group = record.register_group(
+        object(), "target", is_draft=False, token_offset=0, num_slots=n
+    )
     group.slot_fp.copy_(torch.arange(n) * 10 + 1)
     group.slot_writer.copy_(torch.arange(n) * 100)
     return group
@@ -32,18 +34,26 @@ def test_matches_gather_then_scatter_on_random_moves():
     for _ in range(50):
         group = _group(32)
         k = rng.randrange(0, 10)
-        tgt = rng.sample(range(32), k)  # targets are distinct (one slot per accepted position)
+        tgt = rng.sample(
+            range(32), k
+        )  # targets are distinct (one slot per accepted position)
         src = [rng.randrange(32) for _ in range(k)]
         expected = group.slot_fp.clone()
         expected[tgt] = group.slot_fp.clone()[src]
-        move_fingerprints(group, torch.tensor(tgt, dtype=torch.int64), torch.tensor(src, dtype=torch.int64))
+        move_fingerprints(
+            group,
+            torch.tensor(tgt, dtype=torch.int64),
+            torch.tensor(src, dtype=torch.int64),
+        )
         assert torch.equal(group.slot_fp, expected)
 
 
 def test_empty_and_identity_moves_change_nothing():
     group = _group()
     before = group.slot_fp.clone()
-    move_fingerprints(group, torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))
+    move_fingerprints(
+        group, torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)
+    )
     move_fingerprints(group, torch.tensor([2, 7]), torch.tensor([2, 7]))
     assert torch.equal(before, group.slot_fp)
 
@@ -59,16 +69,28 @@ def _tree_round(pools: Pools, path_nodes: list[int], moved_from: list[int]):
     from sglang.srt.kv_canary import reference
     from sglang.srt.kv_canary.contract import FingerprintWrite
 
-    reference.write_fingerprints(pools.record, pools.target, pools.target, FingerprintWrite(
-        out_cache_loc=slots, positions=torch.tensor([4 + d for d in depths]), input_ids=torch.tensor(tokens),
-        req_pool_indices=torch.tensor([1]), token_batch_rows=None, tokens_per_row=5,
-        live_rows=torch.tensor([1], dtype=torch.int32), record_tokens=False,  # verify is speculative
-    ))
+    reference.write_fingerprints(
+        pools.record,
+        pools.target,
+        pools.target,
+        FingerprintWrite(
+            out_cache_loc=slots,
+            positions=torch.tensor([4 + d for d in depths]),
+            input_ids=torch.tensor(tokens),
+            req_pool_indices=torch.tensor([1]),
+            token_batch_rows=None,
+            tokens_per_row=5,
+            live_rows=torch.tensor([1], dtype=torch.int32),
+            record_tokens=False,  # verify is speculative
+        ),
+    )
     tgt = slots[: len(path_nodes)]
     move_fingerprints(pools.target, tgt, slots[moved_from])
     # the next draft extend records the committed tokens of the accepted path
     accepted = [tokens[j] for j in path_nodes]
-    pools.record.token_at[1, 4 : 4 + len(accepted)] = torch.tensor(accepted, dtype=torch.int32)
+    pools.record.token_at[1, 4 : 4 + len(accepted)] = torch.tensor(
+        accepted, dtype=torch.int32
+    )
     return pools.check([1], [4 + len(path_nodes)])
 
 
@@ -95,7 +117,11 @@ def test_api_moves_by_pool():
     engine = SimEngine(seed=1, topk=2, num_steps=2, num_draft_tokens=4)
     req = engine.admit(6)
     a, b = (int(engine.r2t[req.row, p]) for p in (1, 2))
-    fp_b, draft_a = int(engine.target.group.slot_fp[b]), int(engine.draft.group.slot_fp[a])
+    fp_b, draft_a = int(engine.target.group.slot_fp[b]), int(
+        engine.draft.group.slot_fp[a]
+    )
     api.on_kv_move(engine.target_pool, torch.tensor([a]), torch.tensor([b]))
     assert int(engine.target.group.slot_fp[a]) == fp_b
-    assert int(engine.draft.group.slot_fp[a]) == draft_a  # only the moved pool's group changes
+    assert (
+        int(engine.draft.group.slot_fp[a]) == draft_a
+    )  # only the moved pool's group changes

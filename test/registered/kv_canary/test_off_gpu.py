@@ -10,9 +10,9 @@ import dataclasses
 
 import pytest
 import torch
+from canary_sim import Batch, SimEngine, draft_step_batch
 from torch.profiler import ProfilerActivity, profile
 
-from canary_sim import Batch, SimEngine, draft_step_batch
 from sglang.srt.kv_canary.config import CanaryMode
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +24,9 @@ def _device_events(fn) -> list[str]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [
+        e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
 
 
 def _engine_bytes(mode: CanaryMode) -> tuple[SimEngine, int]:
@@ -32,14 +34,21 @@ def _engine_bytes(mode: CanaryMode) -> tuple[SimEngine, int]:
     simulation's own req_to_token table."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    engine = SimEngine(mode=mode, device="cuda", topk=4, num_steps=3, num_draft_tokens=8)
+    engine = SimEngine(
+        mode=mode, device="cuda", topk=4, num_steps=3, num_draft_tokens=8
+    )
     torch.cuda.synchronize()
-    return engine, torch.cuda.memory_allocated() - before - engine.r2t.untyped_storage().nbytes()
+    return (
+        engine,
+        torch.cuda.memory_allocated() - before - engine.r2t.untyped_storage().nbytes(),
+    )
 
 
 def _on_cuda(batch: Batch) -> Batch:
     moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    return Batch(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+    return Batch(
+        **{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+    )
 
 
 def _batches(engine: SimEngine) -> tuple[Batch, Batch]:
@@ -49,7 +58,9 @@ def _batches(engine: SimEngine) -> tuple[Batch, Batch]:
     return engine.decode_batch(reqs), _on_cuda(draft_step_batch(engine, 0))
 
 
-def _every_call_site(engine: SimEngine, decode: Batch, draft_extend: Batch, draft_step: Batch) -> None:
+def _every_call_site(
+    engine: SimEngine, decode: Batch, draft_extend: Batch, draft_step: Batch
+) -> None:
     """A target forward, a draft-extend and an inner draft step: every bracket and pre-op."""
     engine.forward(engine.target, decode)
     engine.forward(engine.draft, draft_extend, draft_extend=True)
@@ -61,17 +72,24 @@ def test_off_allocates_nothing_on_the_device():
     assert off.target is None and off.draft is None
     assert off_bytes == 0
     _, raise_bytes = _engine_bytes(CanaryMode.RAISE)
-    assert raise_bytes > 0, "control: raise mode should hold fingerprint buffers on the device"
+    assert (
+        raise_bytes > 0
+    ), "control: raise mode should hold fingerprint buffers on the device"
 
 
 def test_off_call_sites_put_nothing_on_the_gpu():
     off, _ = _engine_bytes(CanaryMode.OFF)
     decode, draft_step = _batches(off)
     draft_extend = dataclasses.replace(decode, token_to_kv_pool=off.draft_pool)
-    assert _device_events(lambda: _every_call_site(off, decode, draft_extend, draft_step)) == []
+    assert (
+        _device_events(lambda: _every_call_site(off, decode, draft_extend, draft_step))
+        == []
+    )
 
     on, _ = _engine_bytes(CanaryMode.RAISE)
     decode, draft_step = _batches(on)
     draft_extend = dataclasses.replace(decode, token_to_kv_pool=on.draft_pool)
-    events = _device_events(lambda: _every_call_site(on, decode, draft_extend, draft_step))
+    events = _device_events(
+        lambda: _every_call_site(on, decode, draft_extend, draft_step)
+    )
     assert len(events) > 0, "control: raise mode launches kernels"

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from sglang.srt.kv_canary import CanaryMode, api, config
 from sglang.srt.kv_canary.faults import ENV_FAULT, ENV_FAULT_STEP
 from specpatch import synth

@@ -26,7 +26,10 @@ from specpatch import synth  # noqa: E402
 from specpatch.single_rank import init_model_parallel_on_cpu  # noqa: E402
 
 # sglang fuses these checkpoint tensors into one parameter, in this order.
-STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+STACKED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 # sglang's FusedMoE stacks every expert's checkpoint tensors into one parameter per layer:
@@ -34,23 +37,37 @@ STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pr
 FUSED_EXPERTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
 
 
-def expected_experts(param_name: str, weights: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def expected_experts(
+    param_name: str, weights: dict[str, torch.Tensor]
+) -> torch.Tensor | None:
     layer, _, fused = param_name.rpartition(".experts.")
     if fused not in FUSED_EXPERTS:
         return None
     experts = []
-    while all(f"{layer}.experts.{len(experts)}.{p}.weight" in weights for p in FUSED_EXPERTS[fused]):
+    while all(
+        f"{layer}.experts.{len(experts)}.{p}.weight" in weights
+        for p in FUSED_EXPERTS[fused]
+    ):
         e = len(experts)
-        experts.append(torch.cat([weights[f"{layer}.experts.{e}.{p}.weight"] for p in FUSED_EXPERTS[fused]]))
+        experts.append(
+            torch.cat(
+                [
+                    weights[f"{layer}.experts.{e}.{p}.weight"]
+                    for p in FUSED_EXPERTS[fused]
+                ]
+            )
+        )
     return torch.stack(experts) if experts else None
 
 
-def expected_value(param_name: str, weights: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def expected_value(
+    param_name: str, weights: dict[str, torch.Tensor]
+) -> torch.Tensor | None:
     if ".experts." in param_name:
         return expected_experts(param_name, weights)
     for prefix in ("", "model."):
-        if param_name.startswith(prefix) and param_name[len(prefix):] in weights:
-            return weights[param_name[len(prefix):]]
+        if param_name.startswith(prefix) and param_name[len(prefix) :] in weights:
+            return weights[param_name[len(prefix) :]]
     if param_name in weights:
         return weights[param_name]
     for fused, parts in STACKED.items():
@@ -61,7 +78,9 @@ def expected_value(param_name: str, weights: dict[str, torch.Tensor]) -> torch.T
     return None
 
 
-def mismatches(model: torch.nn.Module, model_dir: Path, skip: tuple[str, ...] = ()) -> list[str]:
+def mismatches(
+    model: torch.nn.Module, model_dir: Path, skip: tuple[str, ...] = ()
+) -> list[str]:
     weights = synth.load_checkpoint(model_dir, dtype=torch.float32).weights
     model.load_weights(list(weights.items()))
     bad = []
@@ -71,7 +90,9 @@ def mismatches(model: torch.nn.Module, model_dir: Path, skip: tuple[str, ...] = 
         want = expected_value(name, weights)
         if want is None:
             bad.append(f"{name}: no checkpoint tensor")
-        elif want.shape != param.shape or not torch.equal(want.to(param.dtype), param.detach()):
+        elif want.shape != param.shape or not torch.equal(
+            want.to(param.dtype), param.detach()
+        ):
             bad.append(f"{name}: not loaded as written")
     return bad
 
@@ -83,7 +104,11 @@ def init_sglang_on_cpu(target_dir: Path) -> None:
 
     init_model_parallel_on_cpu()
     server_args = ServerArgs(
-        model_path=str(target_dir), device="cpu", attention_backend="torch_native", skip_tokenizer_init=True)
+        model_path=str(target_dir),
+        device="cpu",
+        attention_backend="torch_native",
+        skip_tokenizer_init=True,
+    )
     set_global_server_args_for_scheduler(server_args)
     initialize_dp_attention(server_args, ModelConfig.from_server_args(server_args))
 
@@ -94,7 +119,9 @@ def main_qwen3_moe(target_dir: Path) -> None:
     init_sglang_on_cpu(target_dir)
     from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
-    target = Qwen3MoeForCausalLM(AutoConfig.from_pretrained(target_dir)).to(torch.float32)
+    target = Qwen3MoeForCausalLM(AutoConfig.from_pretrained(target_dir)).to(
+        torch.float32
+    )
     print(json.dumps({"target": mismatches(target, target_dir)}))
 
 
@@ -107,13 +134,19 @@ def main(target_dir: Path, draft_dir: Path) -> None:
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 
     target = Qwen3ForCausalLM(AutoConfig.from_pretrained(target_dir)).to(torch.float32)
-    draft = LlamaForCausalLMEagle3(AutoConfig.from_pretrained(draft_dir)).to(torch.float32)
-    print(json.dumps({
-        "target": mismatches(target, target_dir),
-        # the draft's lm_head is the target's, set by the worker after loading
-        "draft": mismatches(draft, draft_dir, skip=("lm_head.weight",)),
-        "draft_loads_head_from_target": bool(draft.load_lm_head_from_target),
-    }))
+    draft = LlamaForCausalLMEagle3(AutoConfig.from_pretrained(draft_dir)).to(
+        torch.float32
+    )
+    print(
+        json.dumps(
+            {
+                "target": mismatches(target, target_dir),
+                # the draft's lm_head is the target's, set by the worker after loading
+                "draft": mismatches(draft, draft_dir, skip=("lm_head.weight",)),
+                "draft_loads_head_from_target": bool(draft.load_lm_head_from_target),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

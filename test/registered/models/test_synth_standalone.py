@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from specpatch import synth
 from specpatch import synth_standalone as sa
 

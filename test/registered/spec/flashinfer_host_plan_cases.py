@@ -23,11 +23,19 @@ class RecordingWrapper:
 
     def __init__(self, cuda_graph: bool, mask_buf_bytes: int = 0, max_bs: int = 0):
         self.is_cuda_graph_enabled = cuda_graph
-        self._custom_mask_buf = torch.full((mask_buf_bytes,), 255, dtype=torch.uint8) if cuda_graph else None
-        self._mask_indptr_buf = torch.full((max_bs + 1,), -1, dtype=torch.int32) if cuda_graph else None
+        self._custom_mask_buf = (
+            torch.full((mask_buf_bytes,), 255, dtype=torch.uint8)
+            if cuda_graph
+            else None
+        )
+        self._mask_indptr_buf = (
+            torch.full((max_bs + 1,), -1, dtype=torch.int32) if cuda_graph else None
+        )
         self.planned = None
 
-    def begin_forward(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, **kwargs):
+    def begin_forward(
+        self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, **kwargs
+    ):
         self.planned = SimpleNamespace(
             qo_indptr=qo_indptr,
             kv_indptr=kv_indptr,
@@ -44,7 +52,9 @@ def reference_segment_packbits(x, indptr, indptr_new, bitorder, y):
     """FlashInfer's segment_packbits, on the CPU: each segment packed on its own."""
     for b in range(len(indptr) - 1):
         bits = x[indptr[b] : indptr[b + 1]].numpy().astype(np.uint8)
-        y[indptr_new[b] : indptr_new[b + 1]] = torch.from_numpy(np.packbits(bits, bitorder=bitorder))
+        y[indptr_new[b] : indptr_new[b + 1]] = torch.from_numpy(
+            np.packbits(bits, bitorder=bitorder)
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +62,9 @@ def cpu_packbits(monkeypatch):
     # (the package exports a function of the module's name: import the module by path)
     packbits = importlib.import_module("flashinfer.quantization.packbits")
     monkeypatch.setattr(
-        packbits, "get_quantization_module", lambda: SimpleNamespace(segment_packbits=reference_segment_packbits)
+        packbits,
+        "get_quantization_module",
+        lambda: SimpleNamespace(segment_packbits=reference_segment_packbits),
     )
 
 
@@ -63,15 +75,26 @@ POOL_LEN = 96
 def make_batch(bs: int, width: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     rows = bs + 3  # pool rows the batch does not use, so that the row lookup matters
-    req_to_token = torch.randperm(rows * POOL_LEN, generator=gen).view(rows, POOL_LEN).to(torch.int32)
+    req_to_token = (
+        torch.randperm(rows * POOL_LEN, generator=gen)
+        .view(rows, POOL_LEN)
+        .to(torch.int32)
+    )
     req_pool_indices = torch.randperm(rows, generator=gen)[:bs].to(torch.int64)
     prefix = torch.randint(1, POOL_LEN - width, (bs,), generator=gen)
     return req_to_token, req_pool_indices, prefix
 
 
 def reference_plan(req_to_token, req_pool_indices, kv_lens, width):
-    kv_indices = torch.cat([req_to_token[r, :n] for r, n in zip(req_pool_indices.tolist(), kv_lens.tolist())])
-    kv_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), kv_lens.cumsum(0)]).to(torch.int32)
+    kv_indices = torch.cat(
+        [
+            req_to_token[r, :n]
+            for r, n in zip(req_pool_indices.tolist(), kv_lens.tolist())
+        ]
+    )
+    kv_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), kv_lens.cumsum(0)]).to(
+        torch.int32
+    )
     qo_indptr = torch.arange(len(kv_lens) + 1, dtype=torch.int32) * width
     return qo_indptr, kv_indptr, kv_indices
 
@@ -79,7 +102,9 @@ def reference_plan(req_to_token, req_pool_indices, kv_lens, width):
 def tree_mask(kv_lens, width, seed):
     """FULL_MASK bits: request after request, width rows of its kv_len columns."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.rand(width * n, generator=gen) < 0.5 for n in kv_lens.tolist()])
+    return torch.cat(
+        [torch.rand(width * n, generator=gen) < 0.5 for n in kv_lens.tolist()]
+    )
 
 
 def reference_packed(mask, kv_lens, width):
@@ -89,10 +114,20 @@ def reference_packed(mask, kv_lens, width):
         start += width * n
         packed.append(np.packbits(bits, bitorder="little"))
         indptr.append(indptr[-1] + len(packed[-1]))
-    return torch.from_numpy(np.concatenate(packed)), torch.tensor(indptr, dtype=torch.int32)
+    return torch.from_numpy(np.concatenate(packed)), torch.tensor(
+        indptr, dtype=torch.int32
+    )
 
 
-def plan(wrapper, width, req_to_token, req_pool_indices, kv_lens, kv_indices_buf=None, custom_mask=None):
+def plan(
+    wrapper,
+    width,
+    req_to_token,
+    req_pool_indices,
+    kv_lens,
+    kv_indices_buf=None,
+    custom_mask=None,
+):
     """plan_fixed_width as the backend calls it: the same lengths on the device and the host."""
     plans.plan_fixed_width(
         wrapper,
@@ -118,13 +153,17 @@ def test_causal_draft_extend_plan(bs, width):
     got = wrapper.planned
     assert torch.equal(got.qo_indptr, qo) and torch.equal(got.kv_indptr, kv)
     assert torch.equal(got.kv_indices, idx)
-    assert got.qo_indptr.device.type == got.kv_indptr.device.type == "cpu", "indptrs must not need a read-back"
+    assert (
+        got.qo_indptr.device.type == got.kv_indptr.device.type == "cpu"
+    ), "indptrs must not need a read-back"
     assert torch.equal(got.last_page_len, torch.ones(bs, dtype=torch.int32))
     assert got.args[:4] == (8, 2, 64, 1)
     assert wrapper._custom_mask_buf is None, "a draft extend is causal: no mask"
 
 
-@pytest.mark.parametrize("bs,width,cuda_graph", [(1, 8, False), (1, 8, True), (6, 16, False), (6, 16, True)])
+@pytest.mark.parametrize(
+    "bs,width,cuda_graph", [(1, 8, False), (1, 8, True), (6, 16, False), (6, 16, True)]
+)
 def test_tree_verify_plan_packs_the_mask(bs, width, cuda_graph):
     req_to_token, req_pool_indices, prefix = make_batch(bs, width, seed=10 + bs)
     kv_lens = prefix + width
@@ -136,7 +175,9 @@ def test_tree_verify_plan_packs_the_mask(bs, width, cuda_graph):
     assert torch.equal(wrapper.planned.kv_indices, idx)
     packed, packed_indptr = reference_packed(mask, kv_lens, width)
     if cuda_graph:
-        assert torch.equal(kv_indices_buf[: len(idx)], idx), "the graph's slot buffer holds the slots"
+        assert torch.equal(
+            kv_indices_buf[: len(idx)], idx
+        ), "the graph's slot buffer holds the slots"
         assert torch.equal(wrapper._custom_mask_buf[: len(packed)], packed)
         assert torch.equal(wrapper._mask_indptr_buf, packed_indptr)
     else:
@@ -151,7 +192,15 @@ def test_padding_requests_see_everything_and_get_width_kv_rows():
     kv_lens = torch.cat([prefix[:real] + width, torch.ones(1, dtype=torch.int64)])
     mask = tree_mask(kv_lens[:real], width, seed=4)
     wrapper = RecordingWrapper(cuda_graph=True, mask_buf_bytes=4096, max_bs=3)
-    plan(wrapper, width, req_to_token, req_pool_indices, kv_lens, torch.zeros(4096, dtype=torch.int32), mask)
+    plan(
+        wrapper,
+        width,
+        req_to_token,
+        req_pool_indices,
+        kv_lens,
+        torch.zeros(4096, dtype=torch.int32),
+        mask,
+    )
     lifted = torch.cat([kv_lens[:real], torch.tensor([width])])
     _, kv, idx = reference_plan(req_to_token, req_pool_indices, lifted, width)
     assert torch.equal(wrapper.planned.kv_indptr, kv)
@@ -162,7 +211,9 @@ def test_padding_requests_see_everything_and_get_width_kv_rows():
     assert torch.equal(wrapper._mask_indptr_buf, packed_indptr)
 
 
-def reference_draft_decode_reads(req_to_token, req_pool_indices, seq_lens, topk, num_steps, step):
+def reference_draft_decode_reads(
+    req_to_token, req_pool_indices, seq_lens, topk, num_steps, step
+):
     """Per draft branch b * topk + t, the KV slots it reads at draft decode `step`: its request's
     seq_len prefix, then the step + 1 draft slots of branch t (num_steps slots per branch after
     the prefix, as spec v2's assign_draft_cache_locs lays them out at page size 1)."""
@@ -175,29 +226,52 @@ def reference_draft_decode_reads(req_to_token, req_pool_indices, seq_lens, topk,
     return reads
 
 
-def run_upstream_draft_decode_kernel(req_to_token, req_pool_indices, seq_lens, positions, topk, num_steps):
+def run_upstream_draft_decode_kernel(
+    req_to_token, req_pool_indices, seq_lens, positions, topk, num_steps
+):
     from sglang.srt.speculative.spec_utils import generate_draft_decode_kv_indices
     from sglang.srt.utils import next_power_of_2
 
     num_seqs = seq_lens.shape[0]
-    kv_indices = torch.full((num_steps, num_seqs * topk * POOL_LEN), -1, dtype=torch.int32)
+    kv_indices = torch.full(
+        (num_steps, num_seqs * topk * POOL_LEN), -1, dtype=torch.int32
+    )
     kv_indptr = torch.zeros((num_steps, num_seqs * topk + 1), dtype=torch.int32)
     generate_draft_decode_kv_indices[(num_steps, num_seqs, topk)](
-        req_pool_indices, req_to_token, seq_lens, kv_indices, kv_indptr, positions, POOL_LEN,
-        kv_indices.shape[1], kv_indptr.shape[1], next_power_of_2(num_seqs), next_power_of_2(num_steps),
-        next_power_of_2(num_seqs * topk), 1,
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        kv_indices,
+        kv_indptr,
+        positions,
+        POOL_LEN,
+        kv_indices.shape[1],
+        kv_indptr.shape[1],
+        next_power_of_2(num_seqs),
+        next_power_of_2(num_steps),
+        next_power_of_2(num_seqs * topk),
+        1,
     )
     return kv_indices, kv_indptr
 
 
-@pytest.mark.parametrize("seq_lens,topk,num_steps", [([7], 4, 3), ([5, 30, 12], 2, 5), ([9, 1, 1], 8, 3)])
-def test_draft_decode_indptrs_match_the_kernel_and_its_slot_list(seq_lens, topk, num_steps):
+@pytest.mark.parametrize(
+    "seq_lens,topk,num_steps", [([7], 4, 3), ([5, 30, 12], 2, 5), ([9, 1, 1], 8, 3)]
+)
+def test_draft_decode_indptrs_match_the_kernel_and_its_slot_list(
+    seq_lens, topk, num_steps
+):
     """The last case is a CUDA graph's padded batch: two placeholder requests of length 1, whose
-    positions the graph runner zeroes; the host pointers follow the slot list there as well."""
+    positions the graph runner zeroes; the host pointers follow the slot list there as well.
+    """
     seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
     num_seqs = seq_lens.shape[0]
     gen = torch.Generator().manual_seed(11)
-    req_to_token = torch.randperm(num_seqs * POOL_LEN, generator=gen).to(torch.int32).view(num_seqs, POOL_LEN)
+    req_to_token = (
+        torch.randperm(num_seqs * POOL_LEN, generator=gen)
+        .to(torch.int32)
+        .view(num_seqs, POOL_LEN)
+    )
     req_pool_indices = torch.randperm(num_seqs, generator=gen)
     branch_lens = plans.draft_decode_branch_lens(seq_lens, topk)
     assert branch_lens.tolist() == [n for n in seq_lens.tolist() for _ in range(topk)]
@@ -209,7 +283,9 @@ def test_draft_decode_indptrs_match_the_kernel_and_its_slot_list(seq_lens, topk,
     assert host.dtype == torch.int32 and host.shape == (num_steps, num_seqs * topk + 1)
     assert torch.equal(host, kv_indptr)
     for step in range(num_steps):
-        reads = reference_draft_decode_reads(req_to_token, req_pool_indices, seq_lens, topk, num_steps, step)
+        reads = reference_draft_decode_reads(
+            req_to_token, req_pool_indices, seq_lens, topk, num_steps, step
+        )
         for z, expected in enumerate(reads):
             got = kv_indices[step, host[step, z] : host[step, z + 1]]
             assert torch.equal(got, expected.to(torch.int32)), (step, z)
@@ -220,9 +296,18 @@ def test_draft_decode_indptrs_equal_upstreams_for_real_requests():
     padding): the pointers of real requests are the same, the padding's differ."""
     seq_lens, topk, num_steps, real = torch.tensor([9, 14, 1]), 4, 3, 2
     gen = torch.Generator().manual_seed(5)
-    req_to_token = torch.randperm(3 * POOL_LEN, generator=gen).to(torch.int32).view(3, POOL_LEN)
-    positions = torch.cat([plans.draft_decode_branch_lens(seq_lens[:real], topk), torch.zeros(topk, dtype=torch.int64)])
-    _, upstream = run_upstream_draft_decode_kernel(req_to_token, torch.arange(3), seq_lens, positions, topk, num_steps)
+    req_to_token = (
+        torch.randperm(3 * POOL_LEN, generator=gen).to(torch.int32).view(3, POOL_LEN)
+    )
+    positions = torch.cat(
+        [
+            plans.draft_decode_branch_lens(seq_lens[:real], topk),
+            torch.zeros(topk, dtype=torch.int64),
+        ]
+    )
+    _, upstream = run_upstream_draft_decode_kernel(
+        req_to_token, torch.arange(3), seq_lens, positions, topk, num_steps
+    )
     host = plans.draft_decode_indptrs(seq_lens, topk, num_steps)
     assert torch.equal(host[:, : real * topk + 1], upstream[:, : real * topk + 1])
     assert not torch.equal(host, upstream)

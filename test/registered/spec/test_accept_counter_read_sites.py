@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from sglang.srt.layers.utils.logprob import add_output_logprobs_for_spec_v1
-from sglang.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
+from sglang.srt.managers.scheduler_output_processor_mixin import (
+    SchedulerOutputProcessorMixin,
+)
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.observability.scheduler_metrics_mixin import SchedulerMetricsMixin
 from sglang.srt.speculative.eagle_info import EagleVerifyOutput
@@ -42,7 +44,9 @@ class _Req:
         self.histogram.append(num_correct_drafts)
 
 
-def _spec_v2_result(accept_lens: list[int], correct_drafts: list[int] | None) -> GenerationBatchResult:
+def _spec_v2_result(
+    accept_lens: list[int], correct_drafts: list[int] | None
+) -> GenerationBatchResult:
     bs = len(accept_lens)
     return GenerationBatchResult(
         next_token_ids=torch.arange(bs * NUM_DRAFT_TOKENS),
@@ -54,7 +58,12 @@ def _spec_v2_result(accept_lens: list[int], correct_drafts: list[int] | None) ->
 
 def _scheduler():
     seen = []
-    return SimpleNamespace(model_worker=SimpleNamespace(on_verify_complete_cpu=seen.append)), seen
+    return (
+        SimpleNamespace(
+            model_worker=SimpleNamespace(on_verify_complete_cpu=seen.append)
+        ),
+        seen,
+    )
 
 
 def test_spec_v2_output_processing_reads_each_counter_from_its_field():
@@ -67,9 +76,17 @@ def test_spec_v2_output_processing_reads_each_counter_from_its_field():
         scheduler, result, SimpleNamespace(reqs=reqs)
     )
 
-    assert tokens == [[0, 1, 2], [4, 5]]  # accept_lens tokens per request, from each block
-    assert result.num_accept_tokens_per_req_cpu == [3, 2] and result.num_accept_tokens == 5
-    assert result.num_correct_drafts_per_req_cpu == [0, 1] and result.num_correct_drafts == 1
+    assert tokens == [
+        [0, 1, 2],
+        [4, 5],
+    ]  # accept_lens tokens per request, from each block
+    assert (
+        result.num_accept_tokens_per_req_cpu == [3, 2] and result.num_accept_tokens == 5
+    )
+    assert (
+        result.num_correct_drafts_per_req_cpu == [0, 1]
+        and result.num_correct_drafts == 1
+    )
     assert adaptive_calls == [[0, 1]]  # the adaptive controller is fed drafts
     assert [r.spec_num_correct_drafts for r in reqs] == [0, 1]
     assert [r.histogram for r in reqs] == [[0], [1]]
@@ -92,10 +109,20 @@ def _metrics():
 def test_spec_metrics_accumulate_both_counters_as_given():
     m = _metrics()
     assert m.spec_num_correct_drafts == 0
-    SchedulerMetricsMixin.update_spec_metrics(m, bs=2, num_correct_drafts=3, num_accept_tokens=9)
-    SchedulerMetricsMixin.update_spec_metrics(m, bs=1, num_correct_drafts=1, num_accept_tokens=2)
-    assert (m.spec_num_accept_tokens, m.spec_num_correct_drafts, m.spec_num_forward_ct) == (11, 4, 3)
-    assert m.num_generated_tokens == 4  # drafts here; the bonus tokens are counted per request elsewhere
+    SchedulerMetricsMixin.update_spec_metrics(
+        m, bs=2, num_correct_drafts=3, num_accept_tokens=9
+    )
+    SchedulerMetricsMixin.update_spec_metrics(
+        m, bs=1, num_correct_drafts=1, num_accept_tokens=2
+    )
+    assert (
+        m.spec_num_accept_tokens,
+        m.spec_num_correct_drafts,
+        m.spec_num_forward_ct,
+    ) == (11, 4, 3)
+    assert (
+        m.num_generated_tokens == 4
+    )  # drafts here; the bonus tokens are counted per request elsewhere
 
 
 def test_spec_v1_logprobs_cover_num_accept_tokens_per_request():
@@ -127,5 +154,9 @@ def test_spec_v1_logprobs_cover_num_accept_tokens_per_request():
     add_output_logprobs_for_spec_v1(batch, res)
 
     assert [r.output_token_logprobs_idx for r in reqs] == [[5, 6, 7], [8]]
-    expected = torch.log_softmax(logits, dim=-1)[torch.arange(4), accept_tokens].tolist()
-    assert reqs[0].output_token_logprobs_val + reqs[1].output_token_logprobs_val == pytest.approx(expected)
+    expected = torch.log_softmax(logits, dim=-1)[
+        torch.arange(4), accept_tokens
+    ].tolist()
+    assert reqs[0].output_token_logprobs_val + reqs[
+        1
+    ].output_token_logprobs_val == pytest.approx(expected)

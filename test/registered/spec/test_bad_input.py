@@ -9,6 +9,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+
 from sglang.srt.arg_groups import speculative_hook as hook
 from specpatch import synth
 

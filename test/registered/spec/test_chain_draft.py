@@ -11,14 +11,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specpatch import fake_draft
-from specpatch.fake_draft import TableDraftRunner, make_draft_worker
-
 from sglang.srt.arg_groups.speculative_hook import resolve_chain_num_draft_tokens
-from sglang.srt.speculative.chain_draft import ChainDraft, ChainDraftTable, chain_parents
+from sglang.srt.speculative.chain_draft import (
+    ChainDraft,
+    ChainDraftTable,
+    chain_parents,
+)
 from sglang.srt.speculative.eagle_utils import organize_draft_results
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
-from sglang.srt.speculative.multi_layer_eagle_worker_v2 import MultiLayerEagleDraftWorker
+from sglang.srt.speculative.multi_layer_eagle_worker_v2 import (
+    MultiLayerEagleDraftWorker,
+)
+from specpatch import fake_draft
+from specpatch.fake_draft import TableDraftRunner, make_draft_worker
 
 VOCAB, HIDDEN = 97, 8
 
@@ -35,12 +40,18 @@ def eager_torch():
 
 
 def make_worker(num_steps: int, max_bs: int, cls=EagleDraftWorker):
-    return make_draft_worker(cls, TableDraftRunner(VOCAB), num_steps=num_steps, max_bs=max_bs)
+    return make_draft_worker(
+        cls, TableDraftRunner(VOCAB), num_steps=num_steps, max_bs=max_bs
+    )
 
 
 def make_forward_batch(bs: int, num_steps: int, first_token_width: int = 1):
     return fake_draft.make_forward_batch(
-        bs, num_steps, vocab_size=VOCAB, hidden=HIDDEN, first_token_width=first_token_width
+        bs,
+        num_steps,
+        vocab_size=VOCAB,
+        hidden=HIDDEN,
+        first_token_width=first_token_width,
     )
 
 
@@ -54,10 +65,16 @@ def run_draft_forward(worker, bs: int, num_steps: int):
 def test_chain_matches_general_path(num_steps, bs):
     chain_worker = make_worker(num_steps, max_bs=64)
     general_worker = make_worker(num_steps, max_bs=64)
-    general_worker.chain_drafts = ChainDraftTable(topk=1, max_bs=64, device="cpu")  # never prepared
+    general_worker.chain_drafts = ChainDraftTable(
+        topk=1, max_bs=64, device="cpu"
+    )  # never prepared
 
-    (parents, indices, tokens), chain_calls = run_draft_forward(chain_worker, bs, num_steps)
-    (ref_parents, ref_indices, ref_tokens), general_calls = run_draft_forward(general_worker, bs, num_steps)
+    (parents, indices, tokens), chain_calls = run_draft_forward(
+        chain_worker, bs, num_steps
+    )
+    (ref_parents, ref_indices, ref_tokens), general_calls = run_draft_forward(
+        general_worker, bs, num_steps
+    )
 
     assert parents.tolist() == ref_parents.long().tolist()
     assert indices.tolist() == ref_indices.tolist()
@@ -81,7 +98,9 @@ def test_general_path_matches_organize_draft_results():
     first = make_forward_batch(bs, num_steps).spec_info.topk_index
     token_list = [first] + [tokens[:, i : i + 1] for i in range(1, num_steps)]
     score_list = [torch.ones(bs, 1, 1) for _ in range(num_steps)]
-    parents_list = [chain_parents(bs, 2)] + [torch.full((bs, 1), i) for i in range(1, num_steps)]
+    parents_list = [chain_parents(bs, 2)] + [
+        torch.full((bs, 1), i) for i in range(1, num_steps)
+    ]
     ref = organize_draft_results(score_list, token_list, parents_list, num_steps + 1)
     assert parents.tolist() == ref[0].tolist()
     assert indices.tolist() == ref[1].tolist()
@@ -91,10 +110,19 @@ def test_general_path_matches_organize_draft_results():
 def test_chain_path_skips_scoring_ops():
     bs, num_steps = 8, 4
     worker = make_worker(num_steps, max_bs=64)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
         worker.draft_forward(make_forward_batch(bs, num_steps))
     ops = {e.key for e in prof.key_averages()}
-    assert not ops & {"aten::topk", "aten::sort", "aten::gather", "aten::cat", "aten::softmax", "aten::_softmax"}, ops
+    assert not ops & {
+        "aten::topk",
+        "aten::sort",
+        "aten::gather",
+        "aten::cat",
+        "aten::softmax",
+        "aten::_softmax",
+    }, ops
     assert "aten::argmax" in ops
 
 
@@ -102,7 +130,9 @@ def test_general_path_does_launch_scoring_ops():
     # Guards the test above: the profiler does see these ops when the general path runs.
     bs, num_steps = 8, 4
     worker = make_worker(num_steps, max_bs=4)  # bs 8 does not fit -> general path
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
         worker.draft_forward(make_forward_batch(bs, num_steps))
     ops = {e.key for e in prof.key_averages()}
     assert {"aten::topk", "aten::sort", "aten::gather", "aten::cat"} <= ops
@@ -132,13 +162,18 @@ def test_rebuild_after_runtime_state_change():
     (ref_parents, ref_indices, ref_tokens), _ = run_draft_forward(reference, 4, 5)
     assert worker.chain_drafts.lookup(5, 4).num_steps == 5
     assert (parents.tolist(), indices.tolist(), tokens.tolist()) == (
-        ref_parents.tolist(), ref_indices.tolist(), ref_tokens.tolist())
+        ref_parents.tolist(),
+        ref_indices.tolist(),
+        ref_tokens.tolist(),
+    )
 
 
 def test_hot_token_map_is_applied():
     bs, num_steps = 3, 4
     hot_token_id = torch.randperm(VOCAB * 2)[:VOCAB]  # [hot_vocab] full-vocab ids
-    chain_worker, general_worker = make_worker(num_steps, 64), make_worker(num_steps, 64)
+    chain_worker, general_worker = make_worker(num_steps, 64), make_worker(
+        num_steps, 64
+    )
     general_worker.chain_drafts = ChainDraftTable(topk=1, max_bs=64, device="cpu")
     logits_table = torch.randn(VOCAB * 2, VOCAB)  # [full vocab input, hot vocab logits]
     for w in (chain_worker, general_worker):
@@ -157,12 +192,16 @@ def test_multi_layer_chain_organizes_without_kernels():
     worker = make_worker(num_steps, max_bs=8, cls=MultiLayerEagleDraftWorker)
     fb = make_forward_batch(bs, num_steps, first_token_width=num_steps)
     mtp_tokens = fb.spec_info.topk_index  # [bs, num_steps]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
         parents, indices, tokens = worker.draft_forward(fb)
     assert tokens is mtp_tokens  # used as they are
     score_list = [fb.spec_info.topk_p[:, i].view(bs, 1, 1) for i in range(num_steps)]
     token_list = [mtp_tokens[:, i : i + 1] for i in range(num_steps)]
-    parents_list = [chain_parents(bs, 2)] + [torch.full((bs, 1), i) for i in range(1, num_steps)]
+    parents_list = [chain_parents(bs, 2)] + [
+        torch.full((bs, 1), i) for i in range(1, num_steps)
+    ]
     ref = organize_draft_results(score_list, token_list, parents_list, num_steps + 1)
     assert parents.tolist() == ref[0].tolist()
     assert indices.tolist() == ref[1].tolist()
@@ -180,7 +219,10 @@ def test_inconsistent_chain_shape_is_refused():
         ChainDraft.allocate(num_steps=0, num_draft_tokens=1, max_bs=4, device="cpu")
     assert resolve_chain_num_draft_tokens(3, None) == 4
     assert resolve_chain_num_draft_tokens(3, 4) == 4
-    with pytest.raises(ValueError, match=r"--speculative-num-draft-tokens == --speculative-num-steps \+ 1 \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"--speculative-num-draft-tokens == --speculative-num-steps \+ 1 \(4\)",
+    ):
         resolve_chain_num_draft_tokens(3, 6)
 
 
@@ -190,12 +232,15 @@ def test_topk_above_one_never_uses_the_chain():
     assert table.lookup(3, 1) is None
 
 
-@pytest.mark.parametrize("worker_cls_path", [
-    "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker",
-    # Its __init__ does not call EagleDraftWorker's: a table made only there was missing, and
-    # every STANDALONE v2 engine died in init_cuda_graphs (AttributeError: chain_drafts).
-    "sglang.srt.speculative.standalone_worker_v2:StandaloneDraftWorker",
-])
+@pytest.mark.parametrize(
+    "worker_cls_path",
+    [
+        "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker",
+        # Its __init__ does not call EagleDraftWorker's: a table made only there was missing, and
+        # every STANDALONE v2 engine died in init_cuda_graphs (AttributeError: chain_drafts).
+        "sglang.srt.speculative.standalone_worker_v2:StandaloneDraftWorker",
+    ],
+)
 def test_v2_draft_worker_init_makes_the_chain_table(worker_cls_path, monkeypatch):
     """The real __init__ (model loading and attention backends faked) leaves a draft worker
     whose topk=1 draft_forward takes the chain path."""
@@ -211,11 +256,18 @@ def test_v2_draft_worker_init_makes_the_chain_table(worker_cls_path, monkeypatch
     num_steps, bs = 3, 5
     server_args = SimpleNamespace(
         device="cpu",
-        speculative_algorithm="STANDALONE" if cls_name.startswith("Standalone") else "EAGLE",
-        speculative_eagle_topk=1, speculative_num_steps=num_steps,
-        speculative_num_draft_tokens=num_steps + 1, speculative_token_map=None,
-        disable_cuda_graph=True, enable_dp_attention=False, model_impl="auto",
-        cuda_graph_max_bs=8, max_running_requests=8,
+        speculative_algorithm=(
+            "STANDALONE" if cls_name.startswith("Standalone") else "EAGLE"
+        ),
+        speculative_eagle_topk=1,
+        speculative_num_steps=num_steps,
+        speculative_num_draft_tokens=num_steps + 1,
+        speculative_token_map=None,
+        disable_cuda_graph=True,
+        enable_dp_attention=False,
+        model_impl="auto",
+        cuda_graph_max_bs=8,
+        max_running_requests=8,
     )
     runner = TableDraftRunner(VOCAB)
     runner.server_args, runner.tp_group = server_args, None
@@ -228,19 +280,34 @@ def test_v2_draft_worker_init_makes_the_chain_table(worker_cls_path, monkeypatch
         model_runner=target_runner, get_memory_pool=lambda: (object(), object())
     )
     backends = SimpleNamespace(attn_backends=[object()] * num_steps)
-    factory = SimpleNamespace(create_decode_backend=lambda: backends, create_draft_extend_backend=lambda: None)
-    monkeypatch.setattr(module, "TpModelWorker", lambda **kwargs: SimpleNamespace(model_runner=runner))
+    factory = SimpleNamespace(
+        create_decode_backend=lambda: backends, create_draft_extend_backend=lambda: None
+    )
+    monkeypatch.setattr(
+        module, "TpModelWorker", lambda **kwargs: SimpleNamespace(model_runner=runner)
+    )
     monkeypatch.setattr(eagle_worker_v2, "DraftBackendFactory", lambda *args: factory)
     # Process-wide state the constructors set: put back afterwards.
     monkeypatch.setattr(EagleDraftInput, "ALLOC_LEN_PER_DECODE", None, raising=False)
-    monkeypatch.setattr(moe_utils, "SPECULATIVE_MOE_RUNNER_BACKEND", moe_utils.SPECULATIVE_MOE_RUNNER_BACKEND)
-    monkeypatch.setattr(moe_utils, "SPECULATIVE_MOE_A2A_BACKEND", moe_utils.SPECULATIVE_MOE_A2A_BACKEND)
+    monkeypatch.setattr(
+        moe_utils,
+        "SPECULATIVE_MOE_RUNNER_BACKEND",
+        moe_utils.SPECULATIVE_MOE_RUNNER_BACKEND,
+    )
+    monkeypatch.setattr(
+        moe_utils, "SPECULATIVE_MOE_A2A_BACKEND", moe_utils.SPECULATIVE_MOE_A2A_BACKEND
+    )
 
     worker = worker_cls(server_args, 0, 0, 0, 0, 0, 0, 0, target_worker)
 
     assert worker.chain_drafts.lookup(num_steps, bs) is not None
     (parents, indices, tokens), _ = run_draft_forward(worker, bs, num_steps)
     reference = make_worker(num_steps, max_bs=8)
-    (ref_parents, ref_indices, ref_tokens), _ = run_draft_forward(reference, bs, num_steps)
+    (ref_parents, ref_indices, ref_tokens), _ = run_draft_forward(
+        reference, bs, num_steps
+    )
     assert (parents.tolist(), indices.tolist(), tokens.tolist()) == (
-        ref_parents.tolist(), ref_indices.tolist(), ref_tokens.tolist())
+        ref_parents.tolist(),
+        ref_indices.tolist(),
+        ref_tokens.tolist(),
+    )

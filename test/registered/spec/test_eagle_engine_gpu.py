@@ -14,7 +14,9 @@ pytestmark = pytest.mark.gpu
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 32, 128
 CHAIN = eng.SpecConfig(topk=1, num_steps=3, num_draft_tokens=4)
-FLASHINFER_SKIP = pytest.mark.skipif(eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable()))
+FLASHINFER_SKIP = pytest.mark.skipif(
+    eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable())
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +33,17 @@ def no_spec_run(toy_pair, prompts):
         return eng.generate(e, prompts, MAX_NEW_TOKENS)
 
 
-def test_no_spec_follows_the_bigram_table(toy_pair, prompts, no_spec_run, record_metric):
+def test_no_spec_follows_the_bigram_table(
+    toy_pair, prompts, no_spec_run, record_metric
+):
     expected = synth.table_continuations(toy_pair[0], prompts, MAX_NEW_TOKENS)
     assert no_spec_run.output_ids == expected
     record_metric("no_spec_tok_per_s", round(no_spec_run.tok_per_s, 1))
 
 
-def test_eagle_topk1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_run, record_metric):
+def test_eagle_topk1_is_token_identical_to_no_spec(
+    toy_pair, prompts, no_spec_run, record_metric
+):
     target, draft = toy_pair
     with eng.engine(**eng.engine_kwargs(target, draft, CHAIN)) as e:
         eng.generate(e, prompts[:4], 8)
@@ -50,20 +56,35 @@ def test_eagle_topk1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_ru
     record_metric("expected_accept_length", round(expected_accept, 3))
     record_metric("spec_tok_per_s", round(run.tok_per_s, 1))
     record_metric("no_spec_tok_per_s", round(no_spec_run.tok_per_s, 1))
-    assert identical == NUM_PROMPTS, [eng.first_divergence(a, b) for a, b in zip(run.output_ids, no_spec_run.output_ids)]
+    assert identical == NUM_PROMPTS, [
+        eng.first_divergence(a, b)
+        for a, b in zip(run.output_ids, no_spec_run.output_ids)
+    ]
     assert abs(run.accept_length - expected_accept) <= 0.15 * expected_accept
 
 
-@pytest.mark.parametrize("spec,backend", [
-    (eng.SpecConfig(4, 3, 8, overlap=False), "triton"),
-    (eng.SpecConfig(1, 3, 4, overlap=False), "triton"),
-    pytest.param(eng.SpecConfig(16, 3, 32, overlap=False), "flashinfer", marks=FLASHINFER_SKIP),
-], ids=lambda value: getattr(value, "label", value))
-def test_eagle_spec_v1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_run, spec, backend, record_metric):
+@pytest.mark.parametrize(
+    "spec,backend",
+    [
+        (eng.SpecConfig(4, 3, 8, overlap=False), "triton"),
+        (eng.SpecConfig(1, 3, 4, overlap=False), "triton"),
+        pytest.param(
+            eng.SpecConfig(16, 3, 32, overlap=False),
+            "flashinfer",
+            marks=FLASHINFER_SKIP,
+        ),
+    ],
+    ids=lambda value: getattr(value, "label", value),
+)
+def test_eagle_spec_v1_is_token_identical_to_no_spec(
+    toy_pair, prompts, no_spec_run, spec, backend, record_metric
+):
     """Spec v1 (where the hook sends trees it cannot run on v2) through the v1 verify path;
     on flashinfer the tree verify's plan is the host-planned one spec v2 uses too."""
     target, draft = toy_pair
-    with eng.engine(**eng.engine_kwargs(target, draft, spec, attention_backend=backend)) as e:
+    with eng.engine(
+        **eng.engine_kwargs(target, draft, spec, attention_backend=backend)
+    ) as e:
         eng.generate(e, prompts[:4], 8)
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
     identical = sum(a == b for a, b in zip(run.output_ids, no_spec_run.output_ids))
@@ -74,54 +95,92 @@ def test_eagle_spec_v1_is_token_identical_to_no_spec(toy_pair, prompts, no_spec_
     assert 1.0 < run.accept_length <= spec.num_steps + 1
 
 
-def generate_over_http(base: str, input_ids: list[list[int]], max_new_tokens: int) -> list[dict]:
+def generate_over_http(
+    base: str, input_ids: list[list[int]], max_new_tokens: int
+) -> list[dict]:
     """Greedy /generate of a batch of token-id prompts."""
-    resp = requests.post(f"{base}/generate", json={
-        "input_ids": input_ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-    }, timeout=120)
+    resp = requests.post(
+        f"{base}/generate",
+        json={
+            "input_ids": input_ids,
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": max_new_tokens,
+                "ignore_eos": True,
+            },
+        },
+        timeout=120,
+    )
     resp.raise_for_status()
     return resp.json()
 
 
-@pytest.mark.parametrize("spec", [CHAIN, eng.SpecConfig(16, 3, 32)], ids=lambda spec: spec.label)
+@pytest.mark.parametrize(
+    "spec", [CHAIN, eng.SpecConfig(16, 3, 32)], ids=lambda spec: spec.label
+)
 def test_http_server_with_eagle(toy_pair, prompts, spec, record_metric):
     """`launch_server ... --speculative-eagle-topk {1, 16} --page-size 1`, both on spec v2."""
     target, draft = toy_pair
-    with eng.server(**eng.engine_kwargs(target, draft, spec, enable_metrics=True)) as base:
+    with eng.server(
+        **eng.engine_kwargs(target, draft, spec, enable_metrics=True)
+    ) as base:
         info = requests.get(f"{base}/server_info", timeout=10).json()
         assert info["disable_overlap_schedule"] is False, "fell back to spec v1"
         assert info["speculative_eagle_topk"] == spec.topk
         batch = prompts[:8]
         outs = generate_over_http(base, batch, 64)
-        assert [o["output_ids"] for o in outs] == synth.table_continuations(target, batch, 64)
+        assert [o["output_ids"] for o in outs] == synth.table_continuations(
+            target, batch, 64
+        )
         assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
         metrics = requests.get(f"{base}/metrics", timeout=10).text
         assert "sglang:spec_accept_length" in metrics
-        accept = [float(line.split()[-1]) for line in metrics.splitlines()
-                  if line.startswith("sglang:spec_accept_length")]
+        accept = [
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("sglang:spec_accept_length")
+        ]
         record_metric("http_spec_accept_length_gauge", accept)
 
 
 @FLASHINFER_SKIP
-def test_mission_command_runs_spec_v2_trees_on_default_flags(toy_pair, prompts, record_metric):
+def test_mission_command_runs_spec_v2_trees_on_default_flags(
+    toy_pair, prompts, record_metric
+):
     """`launch_server --speculative-algorithm EAGLE --speculative-eagle-topk 16 --page-size 1`
     as users write it: no steps, no draft-token count, no attention backend. Besides the model
     paths it passes what the synthetic pair and the GPU bundle need: no tokenizer files, a KV
     pool sized for a tiny model, the bundle's sampling and grammar backends."""
     target, draft = toy_pair
-    flags = dict(model_path=str(target), speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft),
-                 speculative_eagle_topk=16, page_size=1,
-                 skip_tokenizer_init=True, max_total_tokens=1 << 18, sampling_backend="pytorch", grammar_backend="none")
+    flags = dict(
+        model_path=str(target),
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=str(draft),
+        speculative_eagle_topk=16,
+        page_size=1,
+        skip_tokenizer_init=True,
+        max_total_tokens=1 << 18,
+        sampling_backend="pytorch",
+        grammar_backend="none",
+    )
     with eng.server(**flags) as base:
         info = requests.get(f"{base}/server_info", timeout=10).json()
         assert info["disable_overlap_schedule"] is False, "fell back to spec v1"
-        shape = (info["speculative_eagle_topk"], info["speculative_num_steps"], info["speculative_num_draft_tokens"])
+        shape = (
+            info["speculative_eagle_topk"],
+            info["speculative_num_steps"],
+            info["speculative_num_draft_tokens"],
+        )
         assert shape == (16, 3, 32)
         record_metric("attention_backend", info["attention_backend"])
         batch = prompts[:8]
         outs = generate_over_http(base, batch, 64)
-    assert [o["output_ids"] for o in outs] == synth.table_continuations(target, batch, 64)
-    accept = [o["meta_info"]["completion_tokens"] / o["meta_info"]["spec_verify_ct"] for o in outs]
+    assert [o["output_ids"] for o in outs] == synth.table_continuations(
+        target, batch, 64
+    )
+    accept = [
+        o["meta_info"]["completion_tokens"] / o["meta_info"]["spec_verify_ct"]
+        for o in outs
+    ]
     record_metric("accept_length", round(sum(accept) / len(accept), 3))
     assert min(accept) > 1.0

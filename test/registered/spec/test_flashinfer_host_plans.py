@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang.srt.layers.attention.flashinfer_host_plans import fixed_width_indptrs, fixed_width_kv_lens
+from sglang.srt.layers.attention.flashinfer_host_plans import (
+    fixed_width_indptrs,
+    fixed_width_kv_lens,
+)
 from specpatch.interpret import interpreter_suite
 
 HERE = Path(__file__).resolve().parent
@@ -28,7 +31,12 @@ def test_indptrs_count_rows_kv_and_mask_bits(kv_lens, width):
     assert got.kv_indptr.tolist() == expect_kv
     assert got.mask_indptr.tolist() == expect_bits
     assert got.packed_mask_indptr.tolist() == expect_bytes
-    for field in (got.qo_indptr, got.kv_indptr, got.mask_indptr, got.packed_mask_indptr):
+    for field in (
+        got.qo_indptr,
+        got.kv_indptr,
+        got.mask_indptr,
+        got.packed_mask_indptr,
+    ):
         assert field.dtype == torch.int32 and field.device.type == "cpu"
 
 

@@ -11,7 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang.srt.layers.attention.flashinfer_backend import DecodeMetadata, FlashInferAttnBackend
+from sglang.srt.layers.attention.flashinfer_backend import (
+    DecodeMetadata,
+    FlashInferAttnBackend,
+)
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 
@@ -26,20 +29,37 @@ class RecordingUpdater:
 def bare_backend() -> FlashInferAttnBackend:
     """The attributes init_forward_metadata reads, on the CPU (__init__ needs a model runner)."""
     backend = object.__new__(FlashInferAttnBackend)
-    backend.__dict__.update(decode_wrappers=["decode wrapper"], indices_updater_decode=RecordingUpdater(),
-                            decode_split_tile_size=None, forward_metadata=None)
+    backend.__dict__.update(
+        decode_wrappers=["decode wrapper"],
+        indices_updater_decode=RecordingUpdater(),
+        decode_split_tile_size=None,
+        forward_metadata=None,
+    )
     return backend
 
 
 def idle_batch(spec_info) -> SimpleNamespace:
-    return SimpleNamespace(forward_mode=ForwardMode.IDLE, spec_info=spec_info, req_pool_indices=torch.zeros(2),
-                           seq_lens=torch.ones(2), seq_lens_cpu=torch.ones(2), seq_lens_sum=2, encoder_lens=None)
+    return SimpleNamespace(
+        forward_mode=ForwardMode.IDLE,
+        spec_info=spec_info,
+        req_pool_indices=torch.zeros(2),
+        seq_lens=torch.ones(2),
+        seq_lens_cpu=torch.ones(2),
+        seq_lens_sum=2,
+        encoder_lens=None,
+    )
 
 
-@pytest.mark.parametrize("spec_info", [
-    SimpleNamespace(draft_token_num=8),  # an idle EagleVerifyInput: no kv_indptr at all
-    SimpleNamespace(kv_indptr=None, kv_indices=None),  # an idle EagleDraftInput
-], ids=["verify", "draft"])
+@pytest.mark.parametrize(
+    "spec_info",
+    [
+        SimpleNamespace(
+            draft_token_num=8
+        ),  # an idle EagleVerifyInput: no kv_indptr at all
+        SimpleNamespace(kv_indptr=None, kv_indices=None),  # an idle EagleDraftInput
+    ],
+    ids=["verify", "draft"],
+)
 def test_idle_spec_batch_is_not_planned(spec_info):
     backend = bare_backend()
     backend.init_forward_metadata(idle_batch(spec_info))

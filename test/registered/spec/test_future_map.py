@@ -28,7 +28,9 @@ def future_map(request, monkeypatch) -> FutureMap:
     # allocator hint that CPU tensors reject.
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     # No chunked prefill: future_limit = 3 * MAX_RUNNING, so a few steps wrap the buffer.
-    return FutureMap(MAX_RUNNING, 0, 4096, torch.device("cpu"), SpeculativeAlgorithm.EAGLE)
+    return FutureMap(
+        MAX_RUNNING, 0, 4096, torch.device("cpu"), SpeculativeAlgorithm.EAGLE
+    )
 
 
 def step_output(bs: int, step: int) -> SimpleNamespace:
@@ -49,7 +51,9 @@ def resolve(future_map: FutureMap, future_indices: FutureIndices) -> EagleDraftI
     return draft_input
 
 
-def assert_rows(future_map: FutureMap, got: EagleDraftInput, stored: SimpleNamespace, rows):
+def assert_rows(
+    future_map: FutureMap, got: EagleDraftInput, stored: SimpleNamespace, rows
+):
     rows = torch.as_tensor(rows)
     assert torch.equal(got.topk_p, stored.topk_p[rows])
     assert torch.equal(got.topk_index, stored.topk_index[rows])
@@ -70,8 +74,10 @@ def test_an_unchanged_batch_reads_slices_of_what_it_stored(future_map, bs):
     # Enough steps to wrap the circular buffer more than once.
     for step in range(3 * future_map.future_limit // bs):
         future_indices = future_map.alloc_future_indices(bs)
-        assert torch.equal(future_indices.indices, torch.arange(
-            future_indices.interval.start, future_indices.interval.stop))
+        assert torch.equal(
+            future_indices.indices,
+            torch.arange(future_indices.interval.start, future_indices.interval.stop),
+        )
         assert future_indices.interval.stop <= future_map.future_buffer_len
         stored = step_output(bs, step)
         future_map.store_to_map_for_new_batch(future_indices, stored)
@@ -92,7 +98,10 @@ def test_a_filtered_batch_gathers_its_kept_requests(future_map):
 
     assert draft_input.future_indices.interval is None
     # The step's own object is untouched: a delayed store still writes to its interval.
-    assert future_indices.interval is not None and len(future_indices.indices) == MAX_RUNNING
+    assert (
+        future_indices.interval is not None
+        and len(future_indices.indices) == MAX_RUNNING
+    )
     got = resolve(future_map, draft_input.future_indices)
     assert_rows(future_map, got, stored, [0, 2, 3])
     assert not shares_buffer(got.topk_p, future_map.topk_p_buf)
@@ -111,6 +120,10 @@ def test_a_merged_batch_gathers_both_runs(future_map):
 
     assert draft_input.future_indices.interval is None
     got = resolve(future_map, draft_input.future_indices)
-    both = SimpleNamespace(**{k: torch.cat([getattr(stored_running, k), getattr(stored_prefill, k)])
-                              for k in vars(stored_running)})
+    both = SimpleNamespace(
+        **{
+            k: torch.cat([getattr(stored_running, k), getattr(stored_prefill, k)])
+            for k in vars(stored_running)
+        }
+    )
     assert_rows(future_map, got, both, [0, 1, 2])

@@ -83,7 +83,9 @@ def assert_same_bytes(actual, expected) -> None:
     assert len(actual) == len(expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
         # Bytes, not values: random bf16 bytes include NaNs.
-        assert torch.equal(a.view(torch.uint8), e.view(torch.uint8)), f"buffer {i} differs"
+        assert torch.equal(
+            a.view(torch.uint8), e.view(torch.uint8)
+        ), f"buffer {i} differs"
 
 
 # --- NSA indexer tokens, read through the pool's own accessor ---------------------------------
@@ -107,7 +109,9 @@ def accessor_pool(page_size: int, device="cpu"):
 
 
 def indexer_buffer(num_pages: int, page_size: int, device="cpu") -> torch.Tensor:
-    buf = torch.empty(num_pages, page_size * (128 + 4), dtype=torch.uint8, device=device)
+    buf = torch.empty(
+        num_pages, page_size * (128 + 4), dtype=torch.uint8, device=device
+    )
     fill_random_bytes([buf], seed=num_pages * 1000 + page_size)
     return buf
 
@@ -117,46 +121,84 @@ def indexer_buffer(num_pages: int, page_size: int, device="cpu") -> torch.Tensor
 
 def make_mha(device="cpu", layer_num=2, size=64, page_size=1, **kw):
     return MHATokenToKVPool(
-        size, page_size, torch.bfloat16, head_num=2, head_dim=8, layer_num=layer_num,
-        device=device, enable_memory_saver=False, enable_alt_stream=False, **kw,
+        size,
+        page_size,
+        torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        layer_num=layer_num,
+        device=device,
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+        **kw,
     )
 
 
 def make_mha_fp4(device="cpu", layer_num=2, size=64, page_size=1, **kw):
     return MHATokenToKVPoolFP4(
-        size, page_size, torch.float4_e2m1fn_x2, head_num=2, head_dim=32,
-        layer_num=layer_num, device=device, enable_memory_saver=False,
-        enable_alt_stream=False, **kw,
+        size,
+        page_size,
+        torch.float4_e2m1fn_x2,
+        head_num=2,
+        head_dim=32,
+        layer_num=layer_num,
+        device=device,
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+        **kw,
     )
 
 
 def make_mla(device="cpu", layer_num=2, size=64, page_size=1):
     return MLATokenToKVPool(
-        size, page_size, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8,
-        layer_num=layer_num, device=device, enable_memory_saver=False,
+        size,
+        page_size,
+        torch.bfloat16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        layer_num=layer_num,
+        device=device,
+        enable_memory_saver=False,
     )
 
 
 def make_mla_fp4(device="cpu", layer_num=2, size=64, page_size=1):
     return MLATokenToKVPoolFP4(
-        size, page_size, torch.float4_e2m1fn_x2, kv_lora_rank=32, qk_rope_head_dim=16,
-        layer_num=layer_num, device=device, enable_memory_saver=False,
+        size,
+        page_size,
+        torch.float4_e2m1fn_x2,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        layer_num=layer_num,
+        device=device,
+        enable_memory_saver=False,
     )
 
 
 def make_nsa(device="cpu", layer_num=2, size=128):
     return NSATokenToKVPool(
-        size, NSA_PAGE, kv_lora_rank=16, dtype=torch.bfloat16, qk_rope_head_dim=8,
-        layer_num=layer_num, device=device, index_head_dim=128,
-        enable_memory_saver=False, kv_cache_dim=16 + 8,
+        size,
+        NSA_PAGE,
+        kv_lora_rank=16,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=8,
+        layer_num=layer_num,
+        device=device,
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=16 + 8,
     )
 
 
 def row_buffers(pool):
     """Every buffer indexed by token slot on dim 0 (the NSA indexer is checked separately)."""
     if isinstance(pool, MHATokenToKVPool):
-        return [*pool.k_buffer, *pool.v_buffer, *getattr(pool, "k_scale_buffer", []),
-                *getattr(pool, "v_scale_buffer", [])]
+        return [
+            *pool.k_buffer,
+            *pool.v_buffer,
+            *getattr(pool, "k_scale_buffer", []),
+            *getattr(pool, "v_scale_buffer", []),
+        ]
     return [*pool.kv_buffer, *getattr(pool, "kv_scale_buffer", [])]
 
 
@@ -179,7 +221,10 @@ def check_pool_move(pool, tgt: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def snapshot(pool):
-    return [b.clone() for b in row_buffers(pool) + getattr(pool, "index_k_with_scale_buffer", [])]
+    return [
+        b.clone()
+        for b in row_buffers(pool) + getattr(pool, "index_k_with_scale_buffer", [])
+    ]
 
 
 POOLS = {
@@ -222,7 +267,10 @@ def test_check_move_in_range_names_the_bad_side_on_cpu(side):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_move_token_rows_cases(case):
     tgt, src = map(as_loc, CASES[case])
-    buffers = [torch.empty(40, 2, 3, dtype=torch.bfloat16), torch.empty(40, 5, dtype=torch.uint8)]
+    buffers = [
+        torch.empty(40, 2, 3, dtype=torch.bfloat16),
+        torch.empty(40, 5, dtype=torch.uint8),
+    ]
     fill_random_bytes(buffers)
     expected = reference_rows(buffers, tgt, src)
     kv_move.move_token_rows(buffers, tgt, src)
@@ -294,12 +342,20 @@ def test_move_paged_index_k_rows_rejects_a_foreign_layout():
 
 
 @pytest.mark.parametrize(
-    "cls", [MHATokenToKVPool, MHATokenToKVPoolFP4, MLATokenToKVPool, MLATokenToKVPoolFP4,
-            NSATokenToKVPool],
+    "cls",
+    [
+        MHATokenToKVPool,
+        MHATokenToKVPoolFP4,
+        MLATokenToKVPool,
+        MLATokenToKVPoolFP4,
+        NSATokenToKVPool,
+    ],
 )
 def test_pool_has_move_kv_cache(cls):
     # No skip: CI installs the patched build, and a pool without the method is the bug itself.
-    assert hasattr(cls, "move_kv_cache"), f"{cls.__name__} has no move_kv_cache (patch 0004)"
+    assert hasattr(
+        cls, "move_kv_cache"
+    ), f"{cls.__name__} has no move_kv_cache (patch 0004)"
 
 
 @pytest.fixture
@@ -347,7 +403,9 @@ def test_nsa_pool_move_random_over_all_pages():
 @pytest.mark.parametrize("kind", sorted(POOLS))
 def test_pool_empty_move_changes_nothing(kind, native_move):
     pool = POOLS[kind]()
-    fill_random_bytes(row_buffers(pool) + getattr(pool, "index_k_with_scale_buffer", []))
+    fill_random_bytes(
+        row_buffers(pool) + getattr(pool, "index_k_with_scale_buffer", [])
+    )
     before = snapshot(pool)
     pool.move_kv_cache(as_loc([]), as_loc([]))
     assert_same_bytes(snapshot(pool), before)
@@ -367,14 +425,20 @@ def test_zero_layer_pool_returns_at_once(kind, monkeypatch):
 @pytest.mark.parametrize("which", ["tgt", "src"])
 @pytest.mark.parametrize("offset", ["negative", "past_end", "far_past_end"])
 @pytest.mark.parametrize("kind", sorted(POOLS))
-def test_pool_out_of_range_slot_raises_and_moves_nothing(kind, which, offset, native_move):
+def test_pool_out_of_range_slot_raises_and_moves_nothing(
+    kind, which, offset, native_move
+):
     pool = POOLS[kind]()
     num_slots = pool.size + pool.page_size
-    bad = {"negative": -1, "past_end": num_slots, "far_past_end": num_slots + 1000}[offset]
+    bad = {"negative": -1, "past_end": num_slots, "far_past_end": num_slots + 1000}[
+        offset
+    ]
     good = as_loc([3, 4, 5])
     broken = as_loc([6, bad, 7])
     tgt, src = (broken, good) if which == "tgt" else (good, broken)
-    fill_random_bytes(row_buffers(pool) + getattr(pool, "index_k_with_scale_buffer", []))
+    fill_random_bytes(
+        row_buffers(pool) + getattr(pool, "index_k_with_scale_buffer", [])
+    )
     before = snapshot(pool)
 
     with pytest.raises(IndexError) as err:
@@ -403,9 +467,17 @@ def test_swa_pool_of_only_swa_layers_moves_through_both_sub_pools():
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     pool = SWAKVPool(
-        size=32, size_swa=48, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=8,
-        swa_attention_layer_ids=[0, 1], full_attention_layer_ids=[],
-        enable_kvcache_transpose=False, device="cpu", enable_alt_stream=False,
+        size=32,
+        size_swa=48,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        swa_attention_layer_ids=[0, 1],
+        full_attention_layer_ids=[],
+        enable_kvcache_transpose=False,
+        device="cpu",
+        enable_alt_stream=False,
     )
     assert pool.full_kv_pool.layer_num == 0
     # full slot i lives at SWA slot 40 - i (the last entry is the allocator's -1 sentinel).
@@ -425,8 +497,15 @@ def test_hisparse_nsa_pool_refuses_moves():
     from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseNSATokenToKVPool
 
     pool = HiSparseNSATokenToKVPool(
-        128, NSA_PAGE, kv_lora_rank=16, dtype=torch.bfloat16, qk_rope_head_dim=8,
-        layer_num=1, device="cpu", index_head_dim=128, enable_memory_saver=False,
+        128,
+        NSA_PAGE,
+        kv_lora_rank=16,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=8,
+        layer_num=1,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
         kv_cache_dim=24,
     )
     with pytest.raises(NotImplementedError, match="HiSparse"):
@@ -442,12 +521,19 @@ def compaction_case(bs: int, num_draft_tokens: int, max_accept: int, seed: int, 
     """Accepted-path moves of `bs` requests over scattered verify slots, as tree_compaction
     builds them: rows that do not move copy onto themselves."""
     gen = torch.Generator().manual_seed(seed)
-    slots = torch.randperm(bs * num_draft_tokens + 50, generator=gen)[: bs * num_draft_tokens] + 1
+    slots = (
+        torch.randperm(bs * num_draft_tokens + 50, generator=gen)[
+            : bs * num_draft_tokens
+        ]
+        + 1
+    )
     tgt, src = [], []
     for b in range(bs):
         block = slots[b * num_draft_tokens : (b + 1) * num_draft_tokens].tolist()
         n = int(torch.randint(1, max_accept + 1, (1,), generator=gen))
-        later = sorted(torch.randperm(num_draft_tokens - 1, generator=gen)[: n - 1].add(1).tolist())
+        later = sorted(
+            torch.randperm(num_draft_tokens - 1, generator=gen)[: n - 1].add(1).tolist()
+        )
         path = [0] + later + list(range(n, max_accept))  # identity moves past the path
         tgt += block[:max_accept]
         src += [block[j] for j in path[:n]] + block[n:max_accept]
@@ -455,19 +541,30 @@ def compaction_case(bs: int, num_draft_tokens: int, max_accept: int, seed: int, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", sorted(CASES) + ["random", "compaction_bs8", "compaction_bs96"])
+@pytest.mark.parametrize(
+    "case", sorted(CASES) + ["random", "compaction_bs8", "compaction_bs96"]
+)
 def test_gpu_mha_triton_kernel(case, monkeypatch):
     monkeypatch.delenv(NATIVE_ENV, raising=False)
     pool = MHATokenToKVPool(
-        2048, 1, torch.bfloat16, head_num=4, head_dim=64, layer_num=3, device="cuda",
-        enable_memory_saver=False, enable_kv_cache_copy=True,
+        2048,
+        1,
+        torch.bfloat16,
+        head_num=4,
+        head_dim=64,
+        layer_num=3,
+        device="cuda",
+        enable_memory_saver=False,
+        enable_kv_cache_copy=True,
     )
     assert pool._kv_copy_config is not None
     if case == "random":
         tgt, src = random_case(2049, 100, seed=5, device="cuda")
     elif case.startswith("compaction_bs"):
         # bs 96 x 5 moves passes the kernel's chunk size (128 / 256 moves per launch).
-        tgt, src = compaction_case(int(case.removeprefix("compaction_bs")), 16, 5, 0, "cuda")
+        tgt, src = compaction_case(
+            int(case.removeprefix("compaction_bs")), 16, 5, 0, "cuda"
+        )
     else:
         tgt, src = (as_loc(x, "cuda") for x in CASES[case])
     check_pool_move(pool, tgt, src)
@@ -492,9 +589,9 @@ def test_gpu_mla_and_nsa_moves(kind, case):
 BAD_SLOT_CALLS = {
     "slots": "kv_move.check_slots_in_range(torch.tensor([3, {bad}], device='cuda'), 10, 'Pool tgt_loc')",
     "move-tgt": "kv_move.check_move_in_range(torch.tensor([3, {bad}], device='cuda'), "
-                "torch.tensor([1, 2], device='cuda'), 10, 'Pool.move_kv_cache')",
+    "torch.tensor([1, 2], device='cuda'), 10, 'Pool.move_kv_cache')",
     "move-src": "kv_move.check_move_in_range(torch.tensor([1, 2], device='cuda'), "
-                "torch.tensor([{bad}, 3], device='cuda'), 10, 'Pool.move_kv_cache')",
+    "torch.tensor([{bad}, 3], device='cuda'), 10, 'Pool.move_kv_cache')",
 }
 
 
@@ -503,8 +600,9 @@ BAD_SLOT_CALLS = {
 @pytest.mark.parametrize("bad", [10, -1])
 def test_gpu_out_of_range_slot_is_a_device_assert(bad, call):
     # A device assert poisons the CUDA context, so it runs in a child process.
-    code = textwrap.dedent(
-        """
+    code = (
+        textwrap.dedent(
+            """
         import torch
         from sglang.srt.mem_cache import kv_move
         kv_move.check_slots_in_range(torch.tensor([3, 9], device="cuda"), 10, "ok")
@@ -512,13 +610,20 @@ def test_gpu_out_of_range_slot_is_a_device_assert(bad, call):
         torch.cuda.synchronize()
         print("in-range passed", flush=True)
         """
-    ) + BAD_SLOT_CALLS[call].format(bad=bad) + textwrap.dedent(
-        """
+        )
+        + BAD_SLOT_CALLS[call].format(bad=bad)
+        + textwrap.dedent(
+            """
         torch.cuda.synchronize()
         print("NOT REACHED", flush=True)
         """
+        )
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert "in-range passed" in proc.stdout, proc.stderr
     assert proc.returncode != 0 and "NOT REACHED" not in proc.stdout
-    assert "device-side assert" in proc.stderr or "outside the pool" in proc.stderr, proc.stderr
+    assert (
+        "device-side assert" in proc.stderr or "outside the pool" in proc.stderr
+    ), proc.stderr

@@ -17,7 +17,9 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.draft_step_binding import bind_draft_step
-from sglang.srt.speculative.multi_layer_eagle_worker_v2 import MultiLayerEagleDraftWorker
+from sglang.srt.speculative.multi_layer_eagle_worker_v2 import (
+    MultiLayerEagleDraftWorker,
+)
 from specpatch.single_rank import init_model_parallel_on_cpu
 
 NUM_STEPS, VOCAB = 3, 11
@@ -49,14 +51,18 @@ class RecordingStepRunner:
         self.seen = seen
 
     def forward(self, forward_batch, skip_attn_backend_init=False):
-        self.seen.append(SimpleNamespace(
-            runner=self.step,
-            req_to_token_pool=forward_batch.req_to_token_pool,
-            token_to_kv_pool=forward_batch.token_to_kv_pool,
-            attn_backend=forward_batch.attn_backend,
-            plans_own_metadata=not skip_attn_backend_init,
-        ))
-        logits = SimpleNamespace(next_token_logits=torch.empty(0, VOCAB), hidden_states=None)
+        self.seen.append(
+            SimpleNamespace(
+                runner=self.step,
+                req_to_token_pool=forward_batch.req_to_token_pool,
+                token_to_kv_pool=forward_batch.token_to_kv_pool,
+                attn_backend=forward_batch.attn_backend,
+                plans_own_metadata=not skip_attn_backend_init,
+            )
+        )
+        logits = SimpleNamespace(
+            next_token_logits=torch.empty(0, VOCAB), hidden_states=None
+        )
         return SimpleNamespace(logits_output=logits)
 
 
@@ -68,9 +74,14 @@ class IdleWorkerBatch(SimpleNamespace):
 
 
 def idle_batch() -> IdleWorkerBatch:
-    return IdleWorkerBatch(forward_mode=ForwardMode.IDLE, seq_lens=torch.empty(0, dtype=torch.int64),
-                           seq_lens_cpu=torch.empty(0, dtype=torch.int64), seq_lens_sum=0,
-                           input_ids=torch.empty(0, dtype=torch.int64), reqs=[])
+    return IdleWorkerBatch(
+        forward_mode=ForwardMode.IDLE,
+        seq_lens=torch.empty(0, dtype=torch.int64),
+        seq_lens_cpu=torch.empty(0, dtype=torch.int64),
+        seq_lens_sum=0,
+        input_ids=torch.empty(0, dtype=torch.int64),
+        reqs=[],
+    )
 
 
 def make_worker():
@@ -81,7 +92,9 @@ def make_worker():
     worker.topk = 1
     worker.device = "cpu"
     worker.chain_mtp_hidden_states = False
-    worker.draft_runner_list = [RecordingStepRunner(step, seen) for step in range(NUM_STEPS)]
+    worker.draft_runner_list = [
+        RecordingStepRunner(step, seen) for step in range(NUM_STEPS)
+    ]
     worker.cuda_graph_runner_for_draft_extend = None
     worker.plan_stream, worker.plan_stream_ctx = None, contextlib.nullcontext()
     worker.req_to_hidden_states_pool = None
@@ -98,7 +111,9 @@ def assert_each_step_used_its_own(seen):
 
 def test_draft_extend_for_prefill_binds_each_step():
     worker, seen = make_worker()
-    worker._draft_extend_for_prefill(idle_batch(), torch.empty(0, 8), torch.empty(0, dtype=torch.int64))
+    worker._draft_extend_for_prefill(
+        idle_batch(), torch.empty(0, 8), torch.empty(0, dtype=torch.int64)
+    )
     assert_each_step_used_its_own(seen)
     assert all(s.plans_own_metadata for s in seen)
 
@@ -120,10 +135,15 @@ def test_draft_extend_for_decode_eager_binds_each_step():
 
 def test_bind_draft_step_sets_all_three():
     runner = RecordingStepRunner(2, [])
-    fb = SimpleNamespace(req_to_token_pool=None, token_to_kv_pool=None, attn_backend=None)
+    fb = SimpleNamespace(
+        req_to_token_pool=None, token_to_kv_pool=None, attn_backend=None
+    )
     bind_draft_step(fb, runner)
     assert (fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend) == (
-        runner.req_to_token_pool, runner.token_to_kv_pool, runner.attn_backend)
+        runner.req_to_token_pool,
+        runner.token_to_kv_pool,
+        runner.attn_backend,
+    )
 
 
 # ----------------------------------------------------------------------------- spec v1 worker
@@ -135,7 +155,9 @@ class IdleScheduleBatch(SimpleNamespace):
     def get_model_worker_batch(self, seq_lens_cpu_cache=None):
         worker_batch = idle_batch()
         worker_batch.spec_info = self.spec_info
-        worker_batch.capture_hidden_mode = getattr(self.spec_info, "capture_hidden_mode", None)
+        worker_batch.capture_hidden_mode = getattr(
+            self.spec_info, "capture_hidden_mode", None
+        )
         return worker_batch
 
     def copy(self):
@@ -146,9 +168,14 @@ class IdleScheduleBatch(SimpleNamespace):
 
 
 def idle_schedule_batch() -> IdleScheduleBatch:
-    return IdleScheduleBatch(forward_mode=ForwardMode.IDLE, seq_lens=torch.empty(0, dtype=torch.int64),
-                             seq_lens_cpu=torch.empty(0, dtype=torch.int64), req_pool_indices=torch.empty(0),
-                             return_logprob=False, spec_info=None)
+    return IdleScheduleBatch(
+        forward_mode=ForwardMode.IDLE,
+        seq_lens=torch.empty(0, dtype=torch.int64),
+        seq_lens_cpu=torch.empty(0, dtype=torch.int64),
+        req_pool_indices=torch.empty(0),
+        return_logprob=False,
+        spec_info=None,
+    )
 
 
 def make_v1_worker():
@@ -160,14 +187,21 @@ def make_v1_worker():
     worker.topk = 1
     worker.device = "cpu"
     worker.speculative_algorithm = SimpleNamespace(is_standalone=lambda: False)
-    worker.model_runner_list = [RecordingStepRunner(step, seen) for step in range(NUM_STEPS)]
+    worker.model_runner_list = [
+        RecordingStepRunner(step, seen) for step in range(NUM_STEPS)
+    ]
     worker.cuda_graph_runner_for_draft_extend_list = []
     return worker, seen
 
 
 def test_v1_draft_extend_after_prefill_binds_each_step():
     worker, seen = make_v1_worker()
-    worker.forward_draft_extend(idle_schedule_batch(), torch.empty(0, 8), torch.empty(0, dtype=torch.int64), None)
+    worker.forward_draft_extend(
+        idle_schedule_batch(),
+        torch.empty(0, 8),
+        torch.empty(0, dtype=torch.int64),
+        None,
+    )
     assert_each_step_used_its_own(seen)
 
 
@@ -176,11 +210,16 @@ def test_v1_draft_extend_after_decode_eager_binds_each_step():
 
     worker, seen = make_v1_worker()
     model_config = SimpleNamespace(spec_hidden_size=8, dtype=torch.float32)
-    worker.speculative_algorithm = SimpleNamespace(is_standalone=lambda: False, is_eagle3=lambda: False)
-    worker.target_worker = SimpleNamespace(model_runner=SimpleNamespace(model_config=model_config))
+    worker.speculative_algorithm = SimpleNamespace(
+        is_standalone=lambda: False, is_eagle3=lambda: False
+    )
+    worker.target_worker = SimpleNamespace(
+        model_runner=SimpleNamespace(model_config=model_config)
+    )
     batch = idle_schedule_batch()
     # An empty draft-extend input: every request of the batch finished (or the rank is idle).
     batch.spec_info = EagleDraftExtendInput.create_idle_input(
-        device="cpu", hidden_size=8, dtype=torch.float32, capture_hidden_mode=None)
+        device="cpu", hidden_size=8, dtype=torch.float32, capture_hidden_mode=None
+    )
     worker.forward_draft_extend_after_decode(batch)
     assert_each_step_used_its_own(seen)

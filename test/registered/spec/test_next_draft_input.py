@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang.srt.speculative.next_draft_input import last_accepted_rows, select_next_draft_input
+from sglang.srt.speculative.next_draft_input import (
+    last_accepted_rows,
+    select_next_draft_input,
+)
 
 
 def reference(logits, hidden, num_accept_tokens, tokens_per_req, topk):
@@ -33,22 +36,32 @@ CASES = [
 
 
 @pytest.mark.parametrize("bs,tokens_per_req,topk,accepted,with_hidden", CASES)
-def test_matches_the_per_request_reading(bs, tokens_per_req, topk, accepted, with_hidden):
+def test_matches_the_per_request_reading(
+    bs, tokens_per_req, topk, accepted, with_hidden
+):
     gen = torch.Generator().manual_seed(bs * 100 + tokens_per_req)
     vocab, hidden_size = 257, 24
     logits = torch.randn(bs * tokens_per_req, vocab, generator=gen)
-    hidden = torch.randn(bs * tokens_per_req, hidden_size, generator=gen) if with_hidden else None
+    hidden = (
+        torch.randn(bs * tokens_per_req, hidden_size, generator=gen)
+        if with_hidden
+        else None
+    )
     if accepted == "none":
         num_accept = torch.ones(bs, dtype=torch.int32)  # only the bonus token
     elif accepted == "all":
         num_accept = torch.full((bs,), tokens_per_req, dtype=torch.int32)
     else:
-        num_accept = torch.randint(1, tokens_per_req + 1, (bs,), generator=gen, dtype=torch.int32)
+        num_accept = torch.randint(
+            1, tokens_per_req + 1, (bs,), generator=gen, dtype=torch.int32
+        )
 
     got = select_next_draft_input(logits, hidden, num_accept, tokens_per_req, topk)
 
     assert got.topk_p.shape == (bs, topk) and got.topk_index.shape == (bs, topk)
-    for b, (p, i, h, row_logits) in enumerate(reference(logits, hidden, num_accept, tokens_per_req, topk)):
+    for b, (p, i, h, row_logits) in enumerate(
+        reference(logits, hidden, num_accept, tokens_per_req, topk)
+    ):
         torch.testing.assert_close(got.topk_p[b], p)
         assert torch.equal(got.topk_index[b].to(torch.int64), i)
         assert torch.equal(got.next_token_logits[b], row_logits)
@@ -59,4 +72,6 @@ def test_matches_the_per_request_reading(bs, tokens_per_req, topk, accepted, wit
 
 
 def test_rows_are_the_last_accepted_token_of_each_block():
-    assert last_accepted_rows(torch.tensor([1, 3, 8], dtype=torch.int32), 8).tolist() == [0, 10, 23]
+    assert last_accepted_rows(
+        torch.tensor([1, 3, 8], dtype=torch.int32), 8
+    ).tolist() == [0, 10, 23]

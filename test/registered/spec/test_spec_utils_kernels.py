@@ -6,18 +6,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 import spec_utils_cases
+
 from specpatch.interpret import interpreter_suite
 
 HERE = Path(__file__).resolve().parent
 NAMES = [f"test_kernels_match_references[{c.name}]" for c in spec_utils_cases.CASES]
 
 
-interpreter_run, test_under_interpreter = interpreter_suite(HERE / "spec_utils_cases.py", NAMES)
+interpreter_run, test_under_interpreter = interpreter_suite(
+    HERE / "spec_utils_cases.py", NAMES
+)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", spec_utils_cases.CASES, ids=[c.name for c in spec_utils_cases.CASES])
+@pytest.mark.parametrize(
+    "case", spec_utils_cases.CASES, ids=[c.name for c in spec_utils_cases.CASES]
+)
 def test_kernels_match_references_on_cuda(case):
     spec_utils_cases.check(case, "cuda")

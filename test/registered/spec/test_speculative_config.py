@@ -5,6 +5,7 @@ pair's config."""
 from __future__ import annotations
 
 import pytest
+
 from specpatch import synth
 
 

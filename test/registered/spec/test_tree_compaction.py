@@ -28,10 +28,16 @@ class RecordingPool:
         self.kv[tgt_loc] = self.kv[src_loc].clone()
 
 
-def reference_compaction(accept_index, num_draft_tokens, out_cache_loc, kv, predict, hidden):
+def reference_compaction(
+    accept_index, num_draft_tokens, out_cache_loc, kv, predict, hidden
+):
     """What compaction means, request by request: node accept_index[b, i] becomes row i."""
     kv, predict, hidden = kv.clone(), predict.clone(), hidden.clone()
-    kv_before, predict_before, hidden_before = kv.clone(), predict.clone(), hidden.clone()
+    kv_before, predict_before, hidden_before = (
+        kv.clone(),
+        predict.clone(),
+        hidden.clone(),
+    )
     for b, path in enumerate(accept_index.tolist()):
         for i, row in enumerate(r for r in path if r >= 0):
             dst = b * num_draft_tokens + i
@@ -41,7 +47,9 @@ def reference_compaction(accept_index, num_draft_tokens, out_cache_loc, kv, pred
     return kv, predict, hidden
 
 
-def random_paths(bs: int, num_draft_tokens: int, max_accept: int, rng: random.Random, lengths=None):
+def random_paths(
+    bs: int, num_draft_tokens: int, max_accept: int, rng: random.Random, lengths=None
+):
     """accept_index as verify returns it: increasing tree nodes from the root, -1 padded."""
     accept_index = torch.full((bs, max_accept), -1, dtype=torch.int32)
     for b in range(bs):
@@ -58,9 +66,13 @@ def run_case(accept_index: torch.Tensor, num_draft_tokens: int, seed: int = 0):
     pool = RecordingPool(num_slots)
     # Each request's verify slots are scattered over the pool, as the allocator leaves them.
     out_cache_loc = torch.randperm(num_slots, generator=gen)[: bs * num_draft_tokens]
-    predict = torch.randint(0, 1000, (bs * num_draft_tokens,), generator=gen, dtype=torch.int32)
+    predict = torch.randint(
+        0, 1000, (bs * num_draft_tokens,), generator=gen, dtype=torch.int32
+    )
     hidden = torch.randn(bs * num_draft_tokens, 5, generator=gen)
-    expected = reference_compaction(accept_index, num_draft_tokens, out_cache_loc, pool.kv, predict, hidden)
+    expected = reference_compaction(
+        accept_index, num_draft_tokens, out_cache_loc, pool.kv, predict, hidden
+    )
 
     predict_before = predict.clone()
     bonus_tokens = compact_accepted_tree_path(
@@ -82,11 +94,17 @@ def run_case(accept_index: torch.Tensor, num_draft_tokens: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("bs", [1, 3, 48])
-@pytest.mark.parametrize("num_draft_tokens,max_accept", [(8, 4), (16, 6), (64, 6), (3, 2)])
+@pytest.mark.parametrize(
+    "num_draft_tokens,max_accept", [(8, 4), (16, 6), (64, 6), (3, 2)]
+)
 def test_random_paths_match_the_reference(bs, num_draft_tokens, max_accept):
     rng = random.Random(bs * 1000 + num_draft_tokens)
     for trial in range(5):
-        run_case(random_paths(bs, num_draft_tokens, max_accept, rng), num_draft_tokens, seed=trial)
+        run_case(
+            random_paths(bs, num_draft_tokens, max_accept, rng),
+            num_draft_tokens,
+            seed=trial,
+        )
 
 
 def test_nothing_accepted_moves_nothing():
@@ -112,7 +130,9 @@ def test_chain_prefix_is_already_compact():
 
 def test_ragged_paths_and_sources_that_are_also_targets():
     # request 0 skips node 1: sources 2, 3 are targets 1, 2 of the same move
-    accept_index = torch.tensor([[0, 2, 3, -1], [4, -1, -1, -1], [8, 9, 11, -1]], dtype=torch.int32)
+    accept_index = torch.tensor(
+        [[0, 2, 3, -1], [4, -1, -1, -1], [8, 9, 11, -1]], dtype=torch.int32
+    )
     run_case(accept_index, 4)
 
 

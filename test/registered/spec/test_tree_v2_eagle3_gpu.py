@@ -30,16 +30,26 @@ def _prompts(target, n: int) -> list[list[int]]:
 
 
 def _assert_table(run, expected, label):
-    diverged = {i: eng.first_divergence(a, b) for i, (a, b) in enumerate(zip(run.output_ids, expected)) if a != b}
-    assert not diverged, f"{label}: {len(diverged)}/{len(expected)} requests diverge at {diverged}"
+    diverged = {
+        i: eng.first_divergence(a, b)
+        for i, (a, b) in enumerate(zip(run.output_ids, expected))
+        if a != b
+    }
+    assert (
+        not diverged
+    ), f"{label}: {len(diverged)}/{len(expected)} requests diverge at {diverged}"
 
 
 def test_eagle3_tree_v2_is_token_identical_to_no_spec(qwen3_eagle3_pair, record_metric):
     target, draft = qwen3_eagle3_pair
     prompts = _prompts(target, 48)
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
-    with eng.engine(**eng.engine_kwargs(target, draft, TREE, speculative_algorithm="EAGLE3")) as e:
-        assert e.server_args.disable_overlap_schedule is False, "tree drafting fell back to spec v1"
+    with eng.engine(
+        **eng.engine_kwargs(target, draft, TREE, speculative_algorithm="EAGLE3")
+    ) as e:
+        assert (
+            e.server_args.disable_overlap_schedule is False
+        ), "tree drafting fell back to spec v1"
         for bs in (1, 48):
             run = eng.generate(e, prompts[:bs], MAX_NEW_TOKENS)
             _assert_table(run, expected[:bs], f"bs {bs}")
@@ -47,26 +57,47 @@ def test_eagle3_tree_v2_is_token_identical_to_no_spec(qwen3_eagle3_pair, record_
     assert run.accept_length > 1.3  # the first draft step alone agrees on ~70 %
 
 
-FLASHINFER_SKIP = pytest.mark.skipif(eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable()))
+FLASHINFER_SKIP = pytest.mark.skipif(
+    eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable())
+)
 
 
-@pytest.mark.skipif(_gpu_count() < 2, reason="--dp 2 --tp 2 needs two GPUs (the nvidia-h200-x2 kind)")
-@pytest.mark.parametrize("backend", ["triton", pytest.param("flashinfer", marks=FLASHINFER_SKIP)])
-def test_tree_v2_with_dp_attention_and_an_idle_rank(qwen3_eagle3_pair, backend, record_metric):
+@pytest.mark.skipif(
+    _gpu_count() < 2, reason="--dp 2 --tp 2 needs two GPUs (the nvidia-h200-x2 kind)"
+)
+@pytest.mark.parametrize(
+    "backend", ["triton", pytest.param("flashinfer", marks=FLASHINFER_SKIP)]
+)
+def test_tree_v2_with_dp_attention_and_an_idle_rank(
+    qwen3_eagle3_pair, backend, record_metric
+):
     """The hook puts DP-attention trees on spec v2; one request leaves the other rank idle, whose
-    padded IDLE batches reach the backend's metadata with an idle spec input (patches 0013, 0015)."""
+    padded IDLE batches reach the backend's metadata with an idle spec input (patches 0013, 0015).
+    """
     target, draft = qwen3_eagle3_pair
     prompts = _prompts(target, 48)
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
     # enable_dp_lm_head: the synthetic draft borrows the target's lm_head, and the draft runs
     # in the attention-TP group (size 1 here). Without it the borrowed head is the target's
     # half-vocabulary TP shard and the draft's logits are 1024 wide instead of 2048.
-    kwargs = eng.engine_kwargs(target, draft, TREE, speculative_algorithm="EAGLE3",
-                               tp_size=2, dp_size=2, enable_dp_attention=True, enable_dp_lm_head=True,
-                               attention_backend=backend)
+    kwargs = eng.engine_kwargs(
+        target,
+        draft,
+        TREE,
+        speculative_algorithm="EAGLE3",
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        enable_dp_lm_head=True,
+        attention_backend=backend,
+    )
     with eng.engine(**kwargs) as e:
-        assert e.server_args.disable_overlap_schedule is False, "tree drafting fell back to spec v1"
-        alone = eng.generate(e, prompts[:1], MAX_NEW_TOKENS)  # one request: the other rank idles
+        assert (
+            e.server_args.disable_overlap_schedule is False
+        ), "tree drafting fell back to spec v1"
+        alone = eng.generate(
+            e, prompts[:1], MAX_NEW_TOKENS
+        )  # one request: the other rank idles
         _assert_table(alone, expected[:1], "one request, one idle rank")
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
         _assert_table(run, expected, "48 requests on both ranks")

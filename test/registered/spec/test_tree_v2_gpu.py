@@ -32,7 +32,9 @@ TREE_SHAPES = [
 ]
 
 
-FLASHINFER_SKIP = pytest.mark.skipif(eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable()))
+FLASHINFER_SKIP = pytest.mark.skipif(
+    eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable())
+)
 
 
 def _fa3_unavailable() -> Optional[str]:
@@ -50,10 +52,16 @@ def _fa3_unavailable() -> Optional[str]:
     return None
 
 
-FA3_SKIP = pytest.mark.skipif(_fa3_unavailable() is not None, reason=str(_fa3_unavailable()))
+FA3_SKIP = pytest.mark.skipif(
+    _fa3_unavailable() is not None, reason=str(_fa3_unavailable())
+)
 # Trees run spec v2 on all three; flashinfer is sglang's default backend for topk > 1, fa3
 # Hopper's for topk 1 and the one users pick there.
-BACKENDS = ["triton", pytest.param("flashinfer", marks=FLASHINFER_SKIP), pytest.param("fa3", marks=FA3_SKIP)]
+BACKENDS = [
+    "triton",
+    pytest.param("flashinfer", marks=FLASHINFER_SKIP),
+    pytest.param("fa3", marks=FA3_SKIP),
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +71,28 @@ def prompts(toy_pair):
 
 
 def assert_identical(run, expected, label):
-    mismatched = {i: eng.first_divergence(a, b) for i, (a, b) in enumerate(zip(run.output_ids, expected)) if a != b}
-    assert not mismatched, f"{label}: {len(mismatched)}/{len(expected)} requests diverge at {mismatched}"
+    mismatched = {
+        i: eng.first_divergence(a, b)
+        for i, (a, b) in enumerate(zip(run.output_ids, expected))
+        if a != b
+    }
+    assert (
+        not mismatched
+    ), f"{label}: {len(mismatched)}/{len(expected)} requests diverge at {mismatched}"
 
 
-def check_identity_across_batch_sizes(toy_pair, prompts, spec, cuda_graph, record_metric, **engine_extra):
+def check_identity_across_batch_sizes(
+    toy_pair, prompts, spec, cuda_graph, record_metric, **engine_extra
+):
     target, draft = toy_pair
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
-    kwargs = eng.engine_kwargs(target, draft, spec, cuda_graph=cuda_graph, **engine_extra)
+    kwargs = eng.engine_kwargs(
+        target, draft, spec, cuda_graph=cuda_graph, **engine_extra
+    )
     with eng.engine(**kwargs) as e:
-        assert e.server_args.disable_overlap_schedule is False, "tree drafting fell back to spec v1"
+        assert (
+            e.server_args.disable_overlap_schedule is False
+        ), "tree drafting fell back to spec v1"
         eng.generate(e, prompts[:2], 8)
         accept = {}
         for bs in BATCH_SIZES:
@@ -81,28 +101,45 @@ def check_identity_across_batch_sizes(toy_pair, prompts, spec, cuda_graph, recor
             accept[bs] = round(run.accept_length, 3)
     record_metric("accept_length_by_bs", accept)
     # The tree holds the chain, so it accepts at least as much as the chain's expectation.
-    chain_expected = synth.expected_chain_accept_length(synth.load_meta(draft)["agreement"], spec.num_steps)
+    chain_expected = synth.expected_chain_accept_length(
+        synth.load_meta(draft)["agreement"], spec.num_steps
+    )
     record_metric("chain_expected_accept_length", round(chain_expected, 3))
     assert all(1.0 < a <= spec.num_steps + 1 for a in accept.values()), accept
     assert accept[48] >= 0.95 * chain_expected, accept
 
 
-@pytest.mark.parametrize("spec,cuda_graph", TREE_SHAPES,
-                         ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in TREE_SHAPES])
-def test_tree_v2_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_graph, record_metric):
-    check_identity_across_batch_sizes(toy_pair, prompts, spec, cuda_graph, record_metric)
+@pytest.mark.parametrize(
+    "spec,cuda_graph",
+    TREE_SHAPES,
+    ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in TREE_SHAPES],
+)
+def test_tree_v2_is_token_identical_to_no_spec(
+    toy_pair, prompts, spec, cuda_graph, record_metric
+):
+    check_identity_across_batch_sizes(
+        toy_pair, prompts, spec, cuda_graph, record_metric
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(toy_pair, capfd, record_metric, backend):
+def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(
+    toy_pair, capfd, record_metric, backend
+):
     """256 concurrent requests on a KV pool that holds a fraction of them."""
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     many = eng.random_prompts(256, vocab, seed=7, min_len=16, max_len=96)
     expected = synth.table_continuations(target, many, 128)
     spec = eng.SpecConfig(4, 3, 8)
-    kwargs = eng.engine_kwargs(target, draft, spec, max_running_requests=256, max_total_tokens=12000,
-                               attention_backend=backend)
+    kwargs = eng.engine_kwargs(
+        target,
+        draft,
+        spec,
+        max_running_requests=256,
+        max_total_tokens=12000,
+        attention_backend=backend,
+    )
     with eng.engine(**kwargs) as e:
         assert e.server_args.disable_overlap_schedule is False
         run = eng.generate(e, many, 128)
@@ -113,24 +150,36 @@ def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(toy_pair, cap
     record_metric("retraction_events", retractions)
     record_metric("accept_length", round(run.accept_length, 3))
     assert retractions > 0, "the pool was large enough: the stress test did not retract"
-    assert "leak" not in text.lower(), [line for line in text.splitlines() if "leak" in line.lower()]
+    assert "leak" not in text.lower(), [
+        line for line in text.splitlines() if "leak" in line.lower()
+    ]
 
 
 # A cold GPU host spends most of this test's first run compiling triton kernels (~270 s); the
 # limit still turns a hang into a failure.
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_tree_v2_sampling_completes_with_valid_tokens(toy_pair, prompts, record_metric, backend):
+def test_tree_v2_sampling_completes_with_valid_tokens(
+    toy_pair, prompts, record_metric, backend
+):
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
-    with eng.engine(**eng.engine_kwargs(target, draft, eng.SpecConfig(4, 3, 8), attention_backend=backend)) as e:
+    with eng.engine(
+        **eng.engine_kwargs(
+            target, draft, eng.SpecConfig(4, 3, 8), attention_backend=backend
+        )
+    ) as e:
         run = eng.generate(e, prompts, MAX_NEW_TOKENS, temperature=1.0)
     assert all(len(out) == MAX_NEW_TOKENS for out in run.output_ids)
     assert all(0 <= t < vocab for out in run.output_ids for t in out)
     # The target's margin makes its own token all but certain at temperature 1 as well.
-    same = sum(a == b for out, ref in zip(run.output_ids, expected) for a, b in zip(out, ref))
-    record_metric("table_token_fraction", round(same / (len(prompts) * MAX_NEW_TOKENS), 4))
+    same = sum(
+        a == b for out, ref in zip(run.output_ids, expected) for a, b in zip(out, ref)
+    )
+    record_metric(
+        "table_token_fraction", round(same / (len(prompts) * MAX_NEW_TOKENS), 4)
+    )
     record_metric("accept_length", round(run.accept_length, 3))
     assert same >= 0.99 * len(prompts) * MAX_NEW_TOKENS
     assert run.accept_length > 1.0
@@ -141,9 +190,16 @@ def test_tree_v2_logprobs_and_stop_inside_an_accepted_path(toy_pair, prompts, ba
     """max_new_tokens that ends mid-path, and logprobs gathered along the tree path."""
     target, draft = toy_pair
     expected = synth.table_continuations(target, prompts[:8], 13)
-    with eng.engine(**eng.engine_kwargs(target, draft, eng.SpecConfig(4, 3, 8), attention_backend=backend)) as e:
-        outs = e.generate(input_ids=prompts[:8], return_logprob=True,
-                          sampling_params=dict(temperature=0, max_new_tokens=13, ignore_eos=True))
+    with eng.engine(
+        **eng.engine_kwargs(
+            target, draft, eng.SpecConfig(4, 3, 8), attention_backend=backend
+        )
+    ) as e:
+        outs = e.generate(
+            input_ids=prompts[:8],
+            return_logprob=True,
+            sampling_params=dict(temperature=0, max_new_tokens=13, ignore_eos=True),
+        )
     assert [list(o["output_ids"]) for o in outs] == expected
     for out in outs:
         logprobs = out["meta_info"]["output_token_logprobs"]
@@ -158,18 +214,24 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-TWO_GPUS = pytest.mark.skipif(_gpu_count() < 2, reason="--tp 2 needs two GPUs (the nvidia-h200-x2 kind)")
+TWO_GPUS = pytest.mark.skipif(
+    _gpu_count() < 2, reason="--tp 2 needs two GPUs (the nvidia-h200-x2 kind)"
+)
 TP2_SHAPES = [eng.SpecConfig(4, 3, 8), eng.SpecConfig(16, 3, 32)]
 
 
 @TWO_GPUS
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", TP2_SHAPES, ids=lambda s: s.label)
-def test_tree_v2_tp2_is_token_identical(toy_pair, prompts, spec, backend, record_metric):
+def test_tree_v2_tp2_is_token_identical(
+    toy_pair, prompts, spec, backend, record_metric
+):
     """Tensor parallel 2: both ranks run the tree, compaction and KV moves on their own shards."""
     target, draft = toy_pair
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
-    with eng.engine(**eng.engine_kwargs(target, draft, spec, tp_size=2, attention_backend=backend)) as e:
+    with eng.engine(
+        **eng.engine_kwargs(target, draft, spec, tp_size=2, attention_backend=backend)
+    ) as e:
         assert e.server_args.disable_overlap_schedule is False, "fell back to spec v1"
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
     assert_identical(run, expected, f"tp2 {backend} {spec.label}")
@@ -184,7 +246,9 @@ def test_paged_tree_tp2_is_token_identical(toy_pair, prompts, record_metric):
     target, draft = toy_pair
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
     spec = eng.SpecConfig(4, 3, 8)
-    kwargs = eng.engine_kwargs(target, draft, spec, tp_size=2, page_size=16, attention_backend="flashinfer")
+    kwargs = eng.engine_kwargs(
+        target, draft, spec, tp_size=2, page_size=16, attention_backend="flashinfer"
+    )
     with eng.engine(**kwargs) as e:
         record_metric("spec_v2", e.server_args.disable_overlap_schedule is False)
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
@@ -194,12 +258,23 @@ def test_paged_tree_tp2_is_token_identical(toy_pair, prompts, record_metric):
 
 
 @FLASHINFER_SKIP
-@pytest.mark.parametrize("spec,cuda_graph", TREE_SHAPES,
-                         ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in TREE_SHAPES])
-def test_tree_v2_on_flashinfer_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_graph, record_metric):
+@pytest.mark.parametrize(
+    "spec,cuda_graph",
+    TREE_SHAPES,
+    ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in TREE_SHAPES],
+)
+def test_tree_v2_on_flashinfer_is_token_identical_to_no_spec(
+    toy_pair, prompts, spec, cuda_graph, record_metric
+):
     """FlashInfer is sglang's default attention backend for trees (topk > 1), Hopper included."""
-    check_identity_across_batch_sizes(toy_pair, prompts, spec, cuda_graph, record_metric,
-                                      attention_backend="flashinfer")
+    check_identity_across_batch_sizes(
+        toy_pair,
+        prompts,
+        spec,
+        cuda_graph,
+        record_metric,
+        attention_backend="flashinfer",
+    )
 
 
 FA3_TREE_SHAPES = [
@@ -210,10 +285,17 @@ FA3_TREE_SHAPES = [
 
 
 @FA3_SKIP
-@pytest.mark.parametrize("spec,cuda_graph", FA3_TREE_SHAPES,
-                         ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in FA3_TREE_SHAPES])
-def test_tree_v2_on_fa3_is_token_identical_to_no_spec(toy_pair, prompts, spec, cuda_graph, record_metric):
+@pytest.mark.parametrize(
+    "spec,cuda_graph",
+    FA3_TREE_SHAPES,
+    ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in FA3_TREE_SHAPES],
+)
+def test_tree_v2_on_fa3_is_token_identical_to_no_spec(
+    toy_pair, prompts, spec, cuda_graph, record_metric
+):
     """FA3 builds the tree verify without a custom-mask kernel: a prefix pass merged with one
     pass per draft token over the ancestors that the FULL_MASK rows name. Draft extend runs
     num_draft_tokens rows per request, CUDA-graphed since patch 0017."""
-    check_identity_across_batch_sizes(toy_pair, prompts, spec, cuda_graph, record_metric, attention_backend="fa3")
+    check_identity_across_batch_sizes(
+        toy_pair, prompts, spec, cuda_graph, record_metric, attention_backend="fa3"
+    )

@@ -416,9 +416,9 @@ VOCAB = 64
 
 def token_capture(token: int, num_layers: int, topk: int) -> torch.Tensor:
     """The synthetic model's capture of a position: a function of its token alone."""
-    return (
-        token * 1000 + torch.arange(num_layers * topk, dtype=torch.int32)
-    ).view(num_layers, topk)
+    return (token * 1000 + torch.arange(num_layers * topk, dtype=torch.int32)).view(
+        num_layers, topk
+    )
 
 
 class DecodedRequest:
@@ -554,7 +554,9 @@ def test_read_by_req_seqlen_an_overshoot_returns_rows_the_user_never_got():
 def test_returned_seqlen():
     from sglang.srt.speculative.finished_captures import returned_seqlen
 
-    assert returned_seqlen(5, 7, None) == 12  # not finished, or finished at its last token
+    assert (
+        returned_seqlen(5, 7, None) == 12
+    )  # not finished, or finished at its last token
     assert returned_seqlen(5, 7, 6) == 11  # spec v2 decoded one past the stop
     assert returned_seqlen(5, 7, 7) == 12
     assert returned_seqlen(5, 7, 9) == 12  # never more than it decoded

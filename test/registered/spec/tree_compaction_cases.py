@@ -17,7 +17,10 @@ from typing import Optional
 import pytest
 import torch
 
-from sglang.srt.speculative.tree_compaction import compact_path_rows_reference, compact_path_rows_triton
+from sglang.srt.speculative.tree_compaction import (
+    compact_path_rows_reference,
+    compact_path_rows_triton,
+)
 
 
 @dataclass
@@ -35,14 +38,19 @@ class Case:
     captures: tuple[tuple[int, int, int], ...] = ()
 
 
-def paths(lengths: list[int], num_draft_tokens: int, max_accept: int, seed: int, deepest=False):
+def paths(
+    lengths: list[int], num_draft_tokens: int, max_accept: int, seed: int, deepest=False
+):
     """Increasing tree nodes from the root per request (what verify returns), -1 padded;
     deepest=True takes the last nodes of the block, so every row but the root moves."""
     rng = random.Random(seed)
     accept_index = torch.full((len(lengths), max_accept), -1, dtype=torch.int32)
     for b, n in enumerate(lengths):
-        later = (list(range(num_draft_tokens - n + 1, num_draft_tokens)) if deepest
-                 else sorted(rng.sample(range(1, num_draft_tokens), n - 1)))
+        later = (
+            list(range(num_draft_tokens - n + 1, num_draft_tokens))
+            if deepest
+            else sorted(rng.sample(range(1, num_draft_tokens), n - 1))
+        )
         accept_index[b, :n] = torch.tensor([0] + later) + b * num_draft_tokens
     return accept_index
 
@@ -56,32 +64,95 @@ CASES = [
     Case("bs1-nothing-accepted", paths([1], 8, 4, 0), 8, 64),
     Case("bs1-everything-accepted", paths([4], 8, 4, 0, deepest=True), 8, 64),
     Case("bs1-chain-prefix", torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), 8, 64),
-    Case("ragged-skip", torch.tensor([[0, 2, 3, -1], [4, -1, -1, -1], [8, 9, 11, -1]], dtype=torch.int32), 4, 33),
+    Case(
+        "ragged-skip",
+        torch.tensor(
+            [[0, 2, 3, -1], [4, -1, -1, -1], [8, 9, 11, -1]], dtype=torch.int32
+        ),
+        4,
+        33,
+    ),
     Case("all-nothing-accepted-bs5", paths([1] * 5, 16, 6, 1), 16, 300),
     Case("all-deepest-bs7", paths([6] * 7, 16, 6, 2, deepest=True), 16, 300),
     Case("random-bs3-d64", paths(_random_lengths(3, 6, 3), 64, 6, 3), 64, 520),
-    Case("random-bs48-d8-int64", paths(_random_lengths(48, 4, 4), 8, 4, 4), 8, 256, torch.int64),
+    Case(
+        "random-bs48-d8-int64",
+        paths(_random_lengths(48, 4, 4), 8, 4, 4),
+        8,
+        256,
+        torch.int64,
+    ),
     Case("random-bs16-no-hidden", paths(_random_lengths(16, 4, 5), 8, 4, 5), 8, None),
-    Case("random-bs9-strided-hidden", paths(_random_lengths(9, 5, 6), 32, 5, 6), 32, 130, strided_hidden=True),
+    Case(
+        "random-bs9-strided-hidden",
+        paths(_random_lengths(9, 5, 6), 32, 5, 6),
+        32,
+        130,
+        strided_hidden=True,
+    ),
     Case("block-equals-path", paths(_random_lengths(6, 3, 7), 3, 3, 7), 3, 17),
     # Captures: routed experts [rows, layers, topk] and the NSA indexer's top-k.
-    Case("captures-bs1-nothing-accepted", paths([1], 8, 4, 8), 8, 64, captures=((2, 4, 4),)),
-    Case("captures-bs1-everything-accepted", paths([4], 8, 4, 8, deepest=True), 8, 64,
-         captures=((2, 4, 4),)),
-    Case("captures-ragged-skip", torch.tensor([[0, 2, 3, -1], [4, -1, -1, -1], [8, 9, 11, -1]],
-                                              dtype=torch.int32), 4, 33, captures=((3, 2, 3),)),
-    Case("captures-random-bs48-with-hidden", paths(_random_lengths(48, 4, 9), 8, 4, 9), 8, 256,
-         captures=((4, 8, 8), (2, 16, 16))),
-    Case("captures-without-hidden", paths(_random_lengths(5, 6, 10), 16, 6, 10), 16, None,
-         captures=((2, 2, 2),)),
+    Case(
+        "captures-bs1-nothing-accepted",
+        paths([1], 8, 4, 8),
+        8,
+        64,
+        captures=((2, 4, 4),),
+    ),
+    Case(
+        "captures-bs1-everything-accepted",
+        paths([4], 8, 4, 8, deepest=True),
+        8,
+        64,
+        captures=((2, 4, 4),),
+    ),
+    Case(
+        "captures-ragged-skip",
+        torch.tensor(
+            [[0, 2, 3, -1], [4, -1, -1, -1], [8, 9, 11, -1]], dtype=torch.int32
+        ),
+        4,
+        33,
+        captures=((3, 2, 3),),
+    ),
+    Case(
+        "captures-random-bs48-with-hidden",
+        paths(_random_lengths(48, 4, 9), 8, 4, 9),
+        8,
+        256,
+        captures=((4, 8, 8), (2, 16, 16)),
+    ),
+    Case(
+        "captures-without-hidden",
+        paths(_random_lengths(5, 6, 10), 16, 6, 10),
+        16,
+        None,
+        captures=((2, 2, 2),),
+    ),
     # Columns over several tiles of a small hidden size (an indexer keeps 2048 per layer).
-    Case("capture-wider-than-hidden", paths(_random_lengths(3, 4, 11), 8, 4, 11), 8, 40,
-         captures=((3, 200, 200),)),
-    Case("captures-sliced-from-wider-cache", paths(_random_lengths(7, 5, 12), 32, 5, 12), 32, 130,
-         strided_hidden=True, captures=((3, 4, 5), (2, 6, 8))),
+    Case(
+        "capture-wider-than-hidden",
+        paths(_random_lengths(3, 4, 11), 8, 4, 11),
+        8,
+        40,
+        captures=((3, 200, 200),),
+    ),
+    Case(
+        "captures-sliced-from-wider-cache",
+        paths(_random_lengths(7, 5, 12), 32, 5, 12),
+        32,
+        130,
+        strided_hidden=True,
+        captures=((3, 4, 5), (2, 6, 8)),
+    ),
     # Four row tensors: one more than the kernel fuses; the last moves by torch.
-    Case("captures-more-than-fused", paths(_random_lengths(6, 4, 13), 8, 4, 13), 8, 64,
-         captures=((2, 4, 4), (2, 2, 3), (1, 3, 3))),
+    Case(
+        "captures-more-than-fused",
+        paths(_random_lengths(6, 4, 13), 8, 4, 13),
+        8,
+        64,
+        captures=((2, 4, 4), (2, 2, 3), (1, 3, 3)),
+    ),
 ]
 
 
@@ -99,9 +170,16 @@ def _inputs(case: Case, device):
         if case.strided_hidden:
             hidden = hidden[:, 1::2]
     # [rows, num_layers, device_k] device caches, each compacted through its [..., :k] view
-    caches = [torch.randint(0, 1 << 20, (rows, num_layers, device_k), generator=gen, dtype=torch.int32)
-              for num_layers, _, device_k in case.captures]
-    inputs = [x.to(device) if x is not None else None for x in (case.accept_index, out_cache_loc, predict, hidden)]
+    caches = [
+        torch.randint(
+            0, 1 << 20, (rows, num_layers, device_k), generator=gen, dtype=torch.int32
+        )
+        for num_layers, _, device_k in case.captures
+    ]
+    inputs = [
+        x.to(device) if x is not None else None
+        for x in (case.accept_index, out_cache_loc, predict, hidden)
+    ]
     return inputs, [cache.to(device) for cache in caches]
 
 
@@ -116,12 +194,22 @@ def check(case: Case, device) -> None:
     ref_hidden = hidden.cpu().clone() if hidden is not None else None
     ref_caches = [cache.cpu().clone() for cache in caches]
     ref_tgt, ref_src, ref_bonus = compact_path_rows_reference(
-        accept_index.cpu(), case.num_draft_tokens, out_cache_loc.cpu(), ref_predict, ref_hidden,
-        _capture_views(case, ref_caches))
+        accept_index.cpu(),
+        case.num_draft_tokens,
+        out_cache_loc.cpu(),
+        ref_predict,
+        ref_hidden,
+        _capture_views(case, ref_caches),
+    )
 
     tgt, src, bonus = compact_path_rows_triton(
-        accept_index, case.num_draft_tokens, out_cache_loc, predict, hidden,
-        _capture_views(case, caches))
+        accept_index,
+        case.num_draft_tokens,
+        out_cache_loc,
+        predict,
+        hidden,
+        _capture_views(case, caches),
+    )
 
     assert tgt.dtype == src.dtype == torch.int64
     assert torch.equal(tgt.cpu(), ref_tgt) and torch.equal(src.cpu(), ref_src)
@@ -135,8 +223,10 @@ def check(case: Case, device) -> None:
         assert torch.equal(cache.cpu(), ref_cache), f"capture {i} differs"
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="run by test_tree_compaction_kernel.py with TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="run by test_tree_compaction_kernel.py with TRITON_INTERPRET=1",
+)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_kernel_matches_reference(case):
     check(case, "cpu")

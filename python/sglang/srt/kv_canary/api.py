@@ -18,6 +18,7 @@ import weakref
 from typing import ContextManager, Iterable, Iterator, Mapping, Optional
 
 import torch
+
 from sglang.srt.kv_canary.config import CanaryConfig, parse_canary_config
 from sglang.srt.kv_canary.draft_feed import draft_token_offset, speculative_worker_class
 from sglang.srt.kv_canary.faults import ENV_FAULT, FaultInjector, parse_fault_config

@@ -30,7 +30,11 @@ _SKIPPED_MODES = frozenset({"IDLE", "PREBUILT", "DLLM_EXTEND"})
 _VARIABLE_EXTEND_MODES = frozenset({"EXTEND", "MIXED", "SPLIT_PREFILL", "DRAFT_EXTEND"})
 # A request's first forward is one of these: a row may change owner here.
 _ADMITTING_MODES = frozenset({"EXTEND", "MIXED", "SPLIT_PREFILL"})
-KNOWN_MODES = _SKIPPED_MODES | _VARIABLE_EXTEND_MODES | {"DECODE", "TARGET_VERIFY", "DRAFT_EXTEND_V2"}
+KNOWN_MODES = (
+    _SKIPPED_MODES
+    | _VARIABLE_EXTEND_MODES
+    | {"DECODE", "TARGET_VERIFY", "DRAFT_EXTEND_V2"}
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,10 @@ def view_of(forward_batch, batch_size: Optional[int] = None) -> BatchView:
     if mode not in KNOWN_MODES:
         raise ValueError(f"KV canary: unknown forward mode {mode}")
     bs = int(forward_batch.batch_size if batch_size is None else batch_size)
-    variable = mode in _VARIABLE_EXTEND_MODES and getattr(forward_batch, "extend_seq_lens", None) is not None
+    variable = (
+        mode in _VARIABLE_EXTEND_MODES
+        and getattr(forward_batch, "extend_seq_lens", None) is not None
+    )
     return BatchView(
         mode=mode,
         batch_size=bs,
@@ -75,27 +82,46 @@ def read_prefix_lens(forward_batch, view: BatchView) -> torch.Tensor:
     decode (seq_len: the tree starts there), draft extend (the previous seq_len). Reads on
     the device, no sync.
     """
-    return forward_batch.positions.index_select(0, first_token_index(forward_batch, view)).to(torch.int64)
+    return forward_batch.positions.index_select(
+        0, first_token_index(forward_batch, view)
+    ).to(torch.int64)
 
 
-def forward_plan(forward_batch, view: BatchView, speculative_tail: int, verify: bool) -> ForwardPlan:
+def forward_plan(
+    forward_batch, view: BatchView, speculative_tail: int, verify: bool
+) -> ForwardPlan:
     """The inputs of stage_plan for a batch that is not skipped. Reads no tensor values."""
     bs = view.batch_size
     if view.variable_extend:
-        return ForwardPlan(forward_batch.positions, forward_batch.extend_seq_lens, 0, bs, speculative_tail, verify)
+        return ForwardPlan(
+            forward_batch.positions,
+            forward_batch.extend_seq_lens,
+            0,
+            bs,
+            speculative_tail,
+            verify,
+        )
     per_row = forward_batch.positions.numel() // bs
-    return ForwardPlan(forward_batch.positions, None, per_row, bs, speculative_tail, verify)
+    return ForwardPlan(
+        forward_batch.positions, None, per_row, bs, speculative_tail, verify
+    )
 
 
-def token_batch_rows(forward_batch, view: BatchView, num_tokens: int) -> tuple[Optional[torch.Tensor], int]:
+def token_batch_rows(
+    forward_batch, view: BatchView, num_tokens: int
+) -> tuple[Optional[torch.Tensor], int]:
     """(token -> batch row map or None, tokens per row for the uniform layout). Sync-free."""
     bs = forward_batch.req_pool_indices.numel()
     if view.variable_extend:
-        rows = torch.arange(bs, device=forward_batch.req_pool_indices.device, dtype=torch.int32)
+        rows = torch.arange(
+            bs, device=forward_batch.req_pool_indices.device, dtype=torch.int32
+        )
         lens = forward_batch.extend_seq_lens[:bs].to(torch.int64)
         return torch.repeat_interleave(rows, lens, output_size=num_tokens), 0
     if num_tokens % bs != 0:
-        raise ValueError(f"KV canary: {num_tokens} tokens do not split evenly over {bs} rows in {view.mode}")
+        raise ValueError(
+            f"KV canary: {num_tokens} tokens do not split evenly over {bs} rows in {view.mode}"
+        )
     return None, num_tokens // bs
 
 

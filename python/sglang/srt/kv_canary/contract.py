@@ -18,7 +18,9 @@ REC_BATCH_ROW = 0  # row in the forward batch (rid lookup)
 REC_REQ_ROW = 1  # req_to_token row
 REC_POSITION = 2  # KV position read
 REC_SLOT = 3  # slot req_to_token[row, position] points at
-REC_EXPECTED_FP = 4  # 0 for a borrowed position (no expectation beyond "live, this position")
+REC_EXPECTED_FP = (
+    4  # 0 for a borrowed position (no expectation beyond "live, this position")
+)
 REC_FOUND_FP = 5
 REC_EXPECTED_TOKEN = 6  # -1 for a borrowed position
 REC_FOUND_WRITER = 7  # pack_writer(row, position) of the slot's last write, -1 if freed
@@ -103,7 +105,12 @@ class ViolationSinks:
 
     @classmethod
     def allocate(cls, num_sinks: int, capacity: int, device) -> "ViolationSinks":
-        storage = torch.full((num_sinks, 1 + capacity, RECORD_WIDTH), -1, dtype=torch.int64, device=device)
+        storage = torch.full(
+            (num_sinks, 1 + capacity, RECORD_WIDTH),
+            -1,
+            dtype=torch.int64,
+            device=device,
+        )
         storage[:, 0].zero_()
         return cls(storage)
 
@@ -122,7 +129,8 @@ class ViolationSinks:
 class PlanBuffers:
     """A forward's values in static device memory: written by `stage_plan` outside any graph,
     read by the write and verify kernels (maybe in a graph). The single forwards of one manager
-    share them: one stage serves every forward of a bracket, and brackets do not overlap."""
+    share them: one stage serves every forward of a bracket, and brackets do not overlap.
+    """
 
     # [max_rows] int32: positions [0, len) of batch row b are checked (rows < live_rows only)
     verify_lens: torch.Tensor

@@ -23,7 +23,11 @@ import torch
 
 from sglang.srt.kv_canary import batch_view
 from sglang.srt.kv_canary.fingerprint import fingerprint, pack_writer
-from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord, move_fingerprints
+from sglang.srt.kv_canary.tables import (
+    FingerprintGroup,
+    RequestRecord,
+    move_fingerprints,
+)
 
 logger = logging.getLogger("sglang.srt.kv_canary")
 
@@ -43,7 +47,9 @@ class FaultConfig:
     trigger_step: int = 1
 
 
-def parse_fault_config(env: Optional[Mapping[str, str]] = None) -> Optional[FaultConfig]:
+def parse_fault_config(
+    env: Optional[Mapping[str, str]] = None
+) -> Optional[FaultConfig]:
     env = os.environ if env is None else env
     raw = env.get(ENV_FAULT, "").strip().lower()
     if not raw:
@@ -66,7 +72,9 @@ def parse_fault_config(env: Optional[Mapping[str, str]] = None) -> Optional[Faul
 # ----------------------------------------------------------------------------- the faults
 
 
-def corrupt_slot(group: FingerprintGroup, victim_slot: int, donor_slot: int, kv_pool=None) -> None:
+def corrupt_slot(
+    group: FingerprintGroup, victim_slot: int, donor_slot: int, kv_pool=None
+) -> None:
     """Copy the donor slot over the victim: its fingerprint, and its K/V when a pool is given."""
     device = group.slot_fp.device
     tgt = torch.tensor([victim_slot], dtype=torch.int64, device=device)
@@ -77,14 +85,24 @@ def corrupt_slot(group: FingerprintGroup, victim_slot: int, donor_slot: int, kv_
 
 
 def misroute_req_to_token(
-    req_to_token: torch.Tensor, row: int, position: int, donor_row: int, donor_position: int
+    req_to_token: torch.Tensor,
+    row: int,
+    position: int,
+    donor_row: int,
+    donor_position: int,
 ) -> None:
     """Point req_to_token[row, position] at the slot of (donor_row, donor_position)."""
     req_to_token[row, position] = req_to_token[donor_row, donor_position]
 
 
 def free_in_use(
-    record: RequestRecord, slot: int, *, new_tag: int, new_row: int, new_position: int, new_token: int
+    record: RequestRecord,
+    slot: int,
+    *,
+    new_tag: int,
+    new_row: int,
+    new_position: int,
+    new_token: int,
 ) -> None:
     """Free a live slot and let a (phantom) new request write it, in every pool.
 
@@ -138,7 +156,9 @@ class FaultInjector:
         bs = view.batch_size
         rows = forward_batch.req_pool_indices[:bs].tolist()
         prefix = batch_view.read_prefix_lens(forward_batch, view).tolist()
-        candidates = [b for b in range(bs) if prefix[b] >= 2] or [b for b in range(bs) if prefix[b] >= 1]
+        candidates = [b for b in range(bs) if prefix[b] >= 2] or [
+            b for b in range(bs) if prefix[b] >= 1
+        ]
         if not candidates:
             return None
         victim = candidates[0]
@@ -154,13 +174,27 @@ class FaultInjector:
         if kind is FaultKind.CORRUPT_SLOT:
             donor_slot = int(manager.record.req_to_token[donor_row, donor_position])
             pool = getattr(forward_batch, "token_to_kv_pool", None)
-            corrupt_slot(manager.group, slot, donor_slot, kv_pool=pool if hasattr(pool, "move_kv_cache") else None)
+            corrupt_slot(
+                manager.group,
+                slot,
+                donor_slot,
+                kv_pool=pool if hasattr(pool, "move_kv_cache") else None,
+            )
             detail = f"copied slot {donor_slot} (row {donor_row} pos {donor_position}) over it"
         elif kind is FaultKind.MISROUTE_REQ_TO_TOKEN:
-            misroute_req_to_token(manager.record.req_to_token, row, position, donor_row, donor_position)
+            misroute_req_to_token(
+                manager.record.req_to_token, row, position, donor_row, donor_position
+            )
             detail = f"req_to_token now points at row {donor_row} pos {donor_position}'s slot"
         else:
-            free_in_use(manager.record, slot, new_tag=0x5EED, new_row=0, new_position=position + 1, new_token=0)
+            free_in_use(
+                manager.record,
+                slot,
+                new_tag=0x5EED,
+                new_row=0,
+                new_position=position + 1,
+                new_token=0,
+            )
             detail = "freed and rewritten by a phantom request"
         self.injected = InjectedFault(kind, self.brackets, row, position, slot, detail)
         logger.warning(

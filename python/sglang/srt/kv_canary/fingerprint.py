@@ -41,7 +41,9 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _srl(x, 31)
 
 
-def fingerprint(tag: torch.Tensor, pos: torch.Tensor, token: torch.Tensor, salt: int) -> torch.Tensor:
+def fingerprint(
+    tag: torch.Tensor, pos: torch.Tensor, token: torch.Tensor, salt: int
+) -> torch.Tensor:
     """Elementwise fingerprints; all inputs broadcast, computed in int64."""
     pos = pos.to(torch.int64)
     token = token.to(torch.int64)

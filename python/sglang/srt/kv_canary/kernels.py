@@ -53,8 +53,16 @@ def _fingerprint(tag, pos, token, salt):
 
 @triton.jit
 def _stage_block(
-    start, tokens_before, positions, extend_seq_lens, verify_lens, bs, tokens_per_row, speculative_tail,
-    VARIABLE: tl.constexpr, BLOCK: tl.constexpr,
+    start,
+    tokens_before,
+    positions,
+    extend_seq_lens,
+    verify_lens,
+    bs,
+    tokens_per_row,
+    speculative_tail,
+    VARIABLE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """verify_lens for batch rows [start, start + BLOCK); returns the tokens of rows < start + BLOCK."""
     b = start + tl.arange(0, BLOCK)
@@ -66,7 +74,11 @@ def _stage_block(
     else:
         first = b.to(tl.int64) * tokens_per_row
     prefix = tl.load(positions + first, mask=in_range, other=0).to(tl.int64)
-    tl.store(verify_lens + b, tl.maximum(prefix - speculative_tail, 0).to(tl.int32), mask=in_range)
+    tl.store(
+        verify_lens + b,
+        tl.maximum(prefix - speculative_tail, 0).to(tl.int32),
+        mask=in_range,
+    )
     return tokens_before
 
 
@@ -94,19 +106,37 @@ def _stage_kernel(
     if DYNAMIC_BOUND:
         for start in range(0, bs, BLOCK):
             tokens_before = _stage_block(
-                start, tokens_before, positions, extend_seq_lens, verify_lens, bs, tokens_per_row,
-                speculative_tail, VARIABLE, BLOCK,
+                start,
+                tokens_before,
+                positions,
+                extend_seq_lens,
+                verify_lens,
+                bs,
+                tokens_per_row,
+                speculative_tail,
+                VARIABLE,
+                BLOCK,
             )
     else:
         for it in range(STATIC_ITERS):
             tokens_before = _stage_block(
-                it * BLOCK, tokens_before, positions, extend_seq_lens, verify_lens, bs, tokens_per_row,
-                speculative_tail, VARIABLE, BLOCK,
+                it * BLOCK,
+                tokens_before,
+                positions,
+                extend_seq_lens,
+                verify_lens,
+                bs,
+                tokens_per_row,
+                speculative_tail,
+                VARIABLE,
+                BLOCK,
             )
     tl.store(live_rows, bs)
     tl.store(verify_on, verify)
     for i in tl.static_range(NUM_SINKS):
-        tl.store(sinks + i * sink_stride + tl.arange(0, 2), tl.zeros((2,), dtype=tl.int64))
+        tl.store(
+            sinks + i * sink_stride + tl.arange(0, 2), tl.zeros((2,), dtype=tl.int64)
+        )
 
 
 @triton.jit
@@ -179,14 +209,18 @@ def _verify_block(
     """Check positions [start, start + BLOCK) of one row; record the bad ones."""
     pos = start + tl.arange(0, BLOCK)
     in_range = pos < n
-    slot = tl.load(req_to_token + row * req_to_token_stride + pos, mask=in_range, other=0).to(tl.int64)
+    slot = tl.load(
+        req_to_token + row * req_to_token_stride + pos, mask=in_range, other=0
+    ).to(tl.int64)
     found = tl.load(slot_fp + slot, mask=in_range, other=0)
     writer = tl.load(slot_writer + slot, mask=in_range, other=0)
 
     own = pos >= own_from
     col = pos + token_offset
     readable = in_range & own & (col < token_at_width)
-    token = tl.load(token_at + row * token_at_stride + col, mask=readable, other=-1).to(tl.int64)
+    token = tl.load(token_at + row * token_at_stride + col, mask=readable, other=-1).to(
+        tl.int64
+    )
     expected = _fingerprint(tag, pos.to(tl.int64), token, salt)
 
     bad_own = own & (found != expected)
@@ -249,16 +283,50 @@ def _verify_kernel(
     if DYNAMIC_BOUND:
         for start in range(split * BLOCK, n, SPLITS * BLOCK):
             _verify_block(
-                start, n, batch_row, row, tag, own_from, slot_fp, slot_writer, token_at, req_to_token,
-                records, count, req_to_token_stride, token_at_stride, token_at_width, capacity, salt,
-                token_offset, WIDTH, BLOCK,
+                start,
+                n,
+                batch_row,
+                row,
+                tag,
+                own_from,
+                slot_fp,
+                slot_writer,
+                token_at,
+                req_to_token,
+                records,
+                count,
+                req_to_token_stride,
+                token_at_stride,
+                token_at_width,
+                capacity,
+                salt,
+                token_offset,
+                WIDTH,
+                BLOCK,
             )
     else:
         for it in range(STATIC_ITERS):
             _verify_block(
-                (it * SPLITS + split) * BLOCK, n, batch_row, row, tag, own_from, slot_fp, slot_writer,
-                token_at, req_to_token, records, count, req_to_token_stride, token_at_stride,
-                token_at_width, capacity, salt, token_offset, WIDTH, BLOCK,
+                (it * SPLITS + split) * BLOCK,
+                n,
+                batch_row,
+                row,
+                tag,
+                own_from,
+                slot_fp,
+                slot_writer,
+                token_at,
+                req_to_token,
+                records,
+                count,
+                req_to_token_stride,
+                token_at_stride,
+                token_at_width,
+                capacity,
+                salt,
+                token_offset,
+                WIDTH,
+                BLOCK,
             )
 
     tl.atomic_add(checks, n.to(tl.int64), mask=split == 0)
@@ -287,7 +355,10 @@ def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sinks: ViolationSinks) -
 
 
 def write_fingerprints(
-    record: RequestRecord, storage: FingerprintGroup, owner: FingerprintGroup, w: FingerprintWrite
+    record: RequestRecord,
+    storage: FingerprintGroup,
+    owner: FingerprintGroup,
+    w: FingerprintWrite,
 ) -> None:
     n = w.num_tokens
     if n == 0:
@@ -350,7 +421,9 @@ def verify_fingerprints(
         SPLITS=VERIFY_SPLITS,
         BLOCK=VERIFY_BLOCK,
         DYNAMIC_BOUND=not _interpreted(),
-        STATIC_ITERS=triton.cdiv(record.req_to_token.shape[1], VERIFY_SPLITS * VERIFY_BLOCK),
+        STATIC_ITERS=triton.cdiv(
+            record.req_to_token.shape[1], VERIFY_SPLITS * VERIFY_BLOCK
+        ),
     )
 
 

@@ -22,11 +22,18 @@ import torch
 
 from sglang.srt.kv_canary.config import CanaryConfig, CanaryMode, VerifySampler
 from sglang.srt.kv_canary.contract import PlanBuffers, ViolationSinks
-from sglang.srt.kv_canary.report import CanaryReporter, KVCanaryViolationError, Violation
+from sglang.srt.kv_canary.report import (
+    CanaryReporter,
+    KVCanaryViolationError,
+    Violation,
+)
 from sglang.srt.kv_canary.single_forward import SingleForwardCanary
 from sglang.srt.kv_canary.staging import PendingDrain, SinkDrainer, stage_forward
-from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord, move_fingerprints
-
+from sglang.srt.kv_canary.tables import (
+    FingerprintGroup,
+    RequestRecord,
+    move_fingerprints,
+)
 
 # Deferred drains waiting for their copies; past this many the oldest are waited for.
 MAX_PENDING_DRAINS = 16
@@ -69,9 +76,12 @@ class CanaryManager:
         # One plan and one sink tensor for all single forwards: a bracket stages and drains
         # them together.
         self.plan = PlanBuffers.allocate(record.req_to_token.shape[0], record.device)
-        self.sinks = ViolationSinks.allocate(num_single_forwards, config.violation_capacity, record.device)
+        self.sinks = ViolationSinks.allocate(
+            num_single_forwards, config.violation_capacity, record.device
+        )
         self.single_forwards = [
-            SingleForwardCanary(i, self.plan, self.sinks.sink(i)) for i in range(num_single_forwards)
+            SingleForwardCanary(i, self.plan, self.sinks.sink(i))
+            for i in range(num_single_forwards)
         ]
         self._drainer = SinkDrainer(self.sinks)
         self.sampler = VerifySampler(config)
@@ -94,7 +104,9 @@ class CanaryManager:
     # ---------------------------------------------------------------- brackets
 
     @contextlib.contextmanager
-    def with_active_single_forward_manager(self, index: int) -> Iterator[SingleForwardCanary]:
+    def with_active_single_forward_manager(
+        self, index: int
+    ) -> Iterator[SingleForwardCanary]:
         """Route pre-ops to single forward `index` (EAGLE inner draft step `index`)."""
         self._check_index(index)
         if self._active is not None:
@@ -123,7 +135,9 @@ class CanaryManager:
         for index in indices:
             self._check_index(index)
         if self._outside is not None:
-            raise CanaryBracketError(f"nested with_ops_outside_graph({indices}) inside ({self._outside})")
+            raise CanaryBracketError(
+                f"nested with_ops_outside_graph({indices}) inside ({self._outside})"
+            )
 
         self._report(block=False)
         self.record.apply_pending_frees()
@@ -131,7 +145,13 @@ class CanaryManager:
             self.fault_injector.maybe_inject(self, maybe_inaccurate_forward_batch)
         verify = self.sampler.tick()
         staged = stage_forward(
-            self.impl, self.record, self.group, maybe_inaccurate_forward_batch, verify, self.plan, self.sinks
+            self.impl,
+            self.record,
+            self.group,
+            maybe_inaccurate_forward_batch,
+            verify,
+            self.plan,
+            self.sinks,
         )
         for index in indices:
             self.single_forwards[index].staged = staged
@@ -144,8 +164,13 @@ class CanaryManager:
             for index in indices:
                 self.single_forwards[index].staged = None
 
-        self._pending.append(self._drainer.drain(staged, indices, self.config.deferred_drain))
-        self._report(block=not self.config.deferred_drain or len(self._pending) > MAX_PENDING_DRAINS)
+        self._pending.append(
+            self._drainer.drain(staged, indices, self.config.deferred_drain)
+        )
+        self._report(
+            block=not self.config.deferred_drain
+            or len(self._pending) > MAX_PENDING_DRAINS
+        )
 
     def flush(self) -> None:
         """Wait for every deferred drain and report it (raising in raise mode)."""
@@ -181,7 +206,9 @@ class CanaryManager:
             )
         storage = self.record.group_of_pool(forward_batch.token_to_kv_pool)
         if storage is None:
-            raise CanaryBracketError(f"KV canary: the batch's KV pool has no fingerprint group ({self.label(index)})")
+            raise CanaryBracketError(
+                f"KV canary: the batch's KV pool has no fingerprint group ({self.label(index)})"
+            )
         single.run(self.impl, self.record, storage, self.group, forward_batch)
 
     # ---------------------------------------------------------------- KV bookkeeping

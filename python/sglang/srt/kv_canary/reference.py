@@ -36,14 +36,19 @@ def stage_plan(plan: ForwardPlan, buffers: PlanBuffers, sinks: ViolationSinks) -
             lens = plan.extend_seq_lens[:bs].to(torch.int64)
             first = torch.cumsum(lens, 0) - lens
         prefix = plan.positions.to(torch.int64)[first]
-        buffers.verify_lens[:bs] = (prefix - plan.speculative_tail).clamp(min=0).to(torch.int32)
+        buffers.verify_lens[:bs] = (
+            (prefix - plan.speculative_tail).clamp(min=0).to(torch.int32)
+        )
     buffers.live_rows.fill_(bs)
     buffers.verify_on.fill_(int(plan.verify))
     sinks.reset()
 
 
 def write_fingerprints(
-    record: RequestRecord, storage: FingerprintGroup, owner: FingerprintGroup, w: FingerprintWrite
+    record: RequestRecord,
+    storage: FingerprintGroup,
+    owner: FingerprintGroup,
+    w: FingerprintWrite,
 ) -> None:
     """Stamp every live token's slot in `storage` with the fingerprint `owner` expects.
 

@@ -72,11 +72,17 @@ def decode_records(drained: DrainedForward, group: str) -> list[Violation]:
     for values in drained.records.tolist():
         batch_row = values[rec.REC_BATCH_ROW]
         writer = values[rec.REC_FOUND_WRITER]
-        borrowed = values[rec.REC_EXPECTED_TOKEN] == -1 and values[rec.REC_EXPECTED_FP] == 0
+        borrowed = (
+            values[rec.REC_EXPECTED_TOKEN] == -1 and values[rec.REC_EXPECTED_FP] == 0
+        )
         writer_row, writer_pos = unpack_writer(writer) if writer >= 0 else (None, None)
         out.append(
             Violation(
-                rid=rids[batch_row] if rids is not None and 0 <= batch_row < len(rids) else None,
+                rid=(
+                    rids[batch_row]
+                    if rids is not None and 0 <= batch_row < len(rids)
+                    else None
+                ),
                 group=group,
                 forward_mode=drained.staged.mode,
                 req_row=values[rec.REC_REQ_ROW],
@@ -115,7 +121,9 @@ class CanaryStats:
             self.violations_total += violations
             self.records_dropped += dropped
             self.checks_by_group[group] = self.checks_by_group.get(group, 0) + checks
-            self.violations_by_group[group] = self.violations_by_group.get(group, 0) + violations
+            self.violations_by_group[group] = (
+                self.violations_by_group.get(group, 0) + violations
+            )
         _prometheus_add(group, checks, violations)
 
     def as_dict(self) -> dict:
@@ -148,7 +156,9 @@ class CanaryReporter:
     def report(self, drained: DrainedForward, group: str) -> list[Violation]:
         if not drained.staged.verify:
             return []
-        if drained.violation_count == 0:  # the common case: count the checks, nothing to log
+        if (
+            drained.violation_count == 0
+        ):  # the common case: count the checks, nothing to log
             self.stats.add(group, drained.checks, 0, 0)
             return []
         violations = decode_records(drained, group)
@@ -158,7 +168,9 @@ class CanaryReporter:
             logger.error(violation.describe())
         hidden = drained.violation_count - min(len(violations), self.max_log_lines)
         if hidden > 0:
-            logger.error(f"KV canary: {hidden} more violation(s) in group {group} ({drained.staged.mode}) not shown")
+            logger.error(
+                f"KV canary: {hidden} more violation(s) in group {group} ({drained.staged.mode}) not shown"
+            )
         self.last_violations = violations
         return violations
 
@@ -188,7 +200,9 @@ def _prometheus_add(group: str, checks: int, violations: int) -> None:
         if parents is None:
             return
         # labels() takes a lock and a dict lookup per call: resolve each group's children once.
-        counters = _prometheus_children.setdefault(group, tuple(c.labels(group=group) for c in parents))
+        counters = _prometheus_children.setdefault(
+            group, tuple(c.labels(group=group) for c in parents)
+        )
     checks_counter, violations_counter = counters
     checks_counter.inc(checks)
     if violations:
@@ -207,7 +221,15 @@ def _prometheus():
                 _prometheus_unavailable = True
                 return None
             _prometheus_counters = (
-                Counter(METRIC_CHECKS, "KV slots whose fingerprint the canary checked", ["group"]),
-                Counter(METRIC_VIOLATIONS, "KV slots that did not carry the expected fingerprint", ["group"]),
+                Counter(
+                    METRIC_CHECKS,
+                    "KV slots whose fingerprint the canary checked",
+                    ["group"],
+                ),
+                Counter(
+                    METRIC_VIOLATIONS,
+                    "KV slots that did not carry the expected fingerprint",
+                    ["group"],
+                ),
             )
     return _prometheus_counters

@@ -16,7 +16,12 @@ from typing import Optional
 import torch
 
 from sglang.srt.kv_canary import batch_view
-from sglang.srt.kv_canary.contract import FingerprintCheck, FingerprintWrite, PlanBuffers, ViolationSink
+from sglang.srt.kv_canary.contract import (
+    FingerprintCheck,
+    FingerprintWrite,
+    PlanBuffers,
+    ViolationSink,
+)
 from sglang.srt.kv_canary.staging import StagedForward
 from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord
 
@@ -33,7 +38,14 @@ class SingleForwardCanary:
     def is_staged(self) -> bool:
         return self.staged is not None
 
-    def run(self, impl, record: RequestRecord, storage: FingerprintGroup, owner: FingerprintGroup, forward_batch) -> None:
+    def run(
+        self,
+        impl,
+        record: RequestRecord,
+        storage: FingerprintGroup,
+        owner: FingerprintGroup,
+        forward_batch,
+    ) -> None:
         """Verify then write. Shapes come from the batch (static under a graph), values from
         the staged buffers; no host reads."""
         bs = forward_batch.req_pool_indices.numel()
@@ -45,7 +57,10 @@ class SingleForwardCanary:
             storage,
             owner,
             FingerprintCheck(
-                forward_batch.req_pool_indices, self.plan.verify_lens, self.plan.live_rows, self.plan.verify_on
+                forward_batch.req_pool_indices,
+                self.plan.verify_lens,
+                self.plan.live_rows,
+                self.plan.verify_on,
             ),
             self.sink,
         )
@@ -53,8 +68,12 @@ class SingleForwardCanary:
         positions = forward_batch.positions[:num_tokens]
         # Embedding inputs carry no ids: such slots are fingerprinted by position alone.
         input_ids = forward_batch.input_ids
-        input_ids = torch.zeros_like(positions) if input_ids is None else input_ids[:num_tokens]
-        rows_of_tokens, tokens_per_row = batch_view.token_batch_rows(forward_batch, view, num_tokens)
+        input_ids = (
+            torch.zeros_like(positions) if input_ids is None else input_ids[:num_tokens]
+        )
+        rows_of_tokens, tokens_per_row = batch_view.token_batch_rows(
+            forward_batch, view, num_tokens
+        )
         impl.write_fingerprints(
             record,
             storage,

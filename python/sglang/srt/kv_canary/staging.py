@@ -19,7 +19,12 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from sglang.srt.kv_canary import batch_view
-from sglang.srt.kv_canary.contract import RECORD_WIDTH, ForwardPlan, PlanBuffers, ViolationSinks
+from sglang.srt.kv_canary.contract import (
+    RECORD_WIDTH,
+    ForwardPlan,
+    PlanBuffers,
+    ViolationSinks,
+)
 from sglang.srt.kv_canary.tables import FingerprintGroup, RequestRecord
 
 
@@ -39,7 +44,9 @@ class DrainedForward:
     violation_count: int = 0
     checks: int = 0
     # [min(count, capacity), RECORD_WIDTH] int64 on the host
-    records: torch.Tensor = field(default_factory=lambda: torch.empty(0, RECORD_WIDTH, dtype=torch.int64))
+    records: torch.Tensor = field(
+        default_factory=lambda: torch.empty(0, RECORD_WIDTH, dtype=torch.int64)
+    )
 
 
 def stage_forward(
@@ -55,17 +62,27 @@ def stage_forward(
     view = batch_view.view_of(forward_batch)
     if view.skipped:
         # Zero live rows: the kernel reads no position, so any tensor stands in for them.
-        impl.stage_plan(ForwardPlan(plan.live_rows, None, 1, 0, 0, verify=False), plan, sinks)
+        impl.stage_plan(
+            ForwardPlan(plan.live_rows, None, 1, 0, 0, verify=False), plan, sinks
+        )
         return StagedForward(view.mode, 0, verify=False)
     bs = view.batch_size
     if bs > plan.verify_lens.numel():
-        raise ValueError(f"KV canary: batch of {bs} rows exceeds the {plan.verify_lens.numel()} request rows")
+        raise ValueError(
+            f"KV canary: batch of {bs} rows exceeds the {plan.verify_lens.numel()} request rows"
+        )
     rids = getattr(forward_batch, "rids", None)
     if view.admits_requests:
         prefix_lens = batch_view.read_prefix_lens(forward_batch, view)
         record.adopt_owners(forward_batch.req_pool_indices[:bs], rids, prefix_lens)
-    impl.stage_plan(batch_view.forward_plan(forward_batch, view, owner.speculative_tail, verify), plan, sinks)
-    return StagedForward(view.mode, bs, verify, list(rids) if rids is not None else None)
+    impl.stage_plan(
+        batch_view.forward_plan(forward_batch, view, owner.speculative_tail, verify),
+        plan,
+        sinks,
+    )
+    return StagedForward(
+        view.mode, bs, verify, list(rids) if rids is not None else None
+    )
 
 
 @dataclass
@@ -103,7 +120,9 @@ class PendingDrain:
             count, checks = counters[index]
             if count:
                 records = self.host[index, 1 : 1 + min(count, capacity)].clone()
-                drained.append((index, DrainedForward(self.staged, count, checks, records)))
+                drained.append(
+                    (index, DrainedForward(self.staged, count, checks, records))
+                )
             else:
                 drained.append((index, DrainedForward(self.staged, 0, checks)))
         if self.release is not None:
@@ -118,7 +137,9 @@ class SinkDrainer:
         self.sinks = sinks
         self._pinned = _PinnedCopies(sinks.storage) if sinks.storage.is_cuda else None
 
-    def drain(self, staged: StagedForward, indices: Sequence[int], deferred: bool) -> PendingDrain:
+    def drain(
+        self, staged: StagedForward, indices: Sequence[int], deferred: bool
+    ) -> PendingDrain:
         """Not deferred (or on a CPU device): one host sync when the forwards were checked, and
         the result is ready. Deferred: one copy into pinned memory behind the forwards on the
         current stream, read once it has landed. The next stage empties the sinks."""
@@ -128,7 +149,9 @@ class SinkDrainer:
             host, copied = self._pinned.take()
             host.copy_(self.sinks.storage, non_blocking=True)
             copied.record()
-            return PendingDrain(staged, indices, host, copied, release=self._pinned.give_back)
+            return PendingDrain(
+                staged, indices, host, copied, release=self._pinned.give_back
+            )
         return PendingDrain(staged, indices, self.sinks.storage.cpu())  # the one sync
 
 

@@ -24,7 +24,9 @@ import torch
 from sglang.srt.kv_canary.fingerprint import FREED, group_salt, request_tag
 
 IDENTITY_REQUEST = "request"  # fingerprint tag = the request's hash
-IDENTITY_CONTENT = "content"  # tag 0: equal (position, token) is equal KV across requests
+IDENTITY_CONTENT = (
+    "content"  # tag 0: equal (position, token) is equal KV across requests
+)
 
 
 @dataclass
@@ -60,7 +62,9 @@ class RequestRecord:
 
     def __init__(self, req_to_token: torch.Tensor, identity: str = IDENTITY_REQUEST):
         if identity not in (IDENTITY_REQUEST, IDENTITY_CONTENT):
-            raise ValueError(f"identity={identity!r}: expected {IDENTITY_REQUEST!r} or {IDENTITY_CONTENT!r}")
+            raise ValueError(
+                f"identity={identity!r}: expected {IDENTITY_REQUEST!r} or {IDENTITY_CONTENT!r}"
+            )
         rows, context_len = req_to_token.shape
         device = req_to_token.device
         self.identity = identity
@@ -75,7 +79,9 @@ class RequestRecord:
         self.row_own_from = torch.zeros(rows, dtype=torch.int32, device=device)
         # [rows, context_len + 1] int32: token id at each position (one extra column: a draft
         # slot at the last position holds the token one past it)
-        self.token_at = torch.zeros(rows, context_len + 1, dtype=torch.int32, device=device)
+        self.token_at = torch.zeros(
+            rows, context_len + 1, dtype=torch.int32, device=device
+        )
         self.groups: list[FingerprintGroup] = []
         # id(pool) -> (pool, group); the pool is held so its id cannot be reused
         self._group_of_pool: dict[int, tuple[object, FingerprintGroup]] = {}
@@ -84,10 +90,18 @@ class RequestRecord:
     # ------------------------------------------------------------------ groups
 
     def register_group(
-        self, pool: object, name: str, *, is_draft: bool, token_offset: int, num_slots: int
+        self,
+        pool: object,
+        name: str,
+        *,
+        is_draft: bool,
+        token_offset: int,
+        num_slots: int,
     ) -> FingerprintGroup:
         if id(pool) in self._group_of_pool:
-            raise ValueError(f"KV pool of group {self._group_of_pool[id(pool)][1].name!r} is already registered")
+            raise ValueError(
+                f"KV pool of group {self._group_of_pool[id(pool)][1].name!r} is already registered"
+            )
         index = len(self.groups)
         group = FingerprintGroup(
             name=name,
@@ -109,7 +123,10 @@ class RequestRecord:
     # ------------------------------------------------------------------ owners
 
     def adopt_owners(
-        self, rows: torch.Tensor, rids: Optional[Sequence[str]], prefix_lens: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        rids: Optional[Sequence[str]],
+        prefix_lens: torch.Tensor,
     ) -> None:
         """Note the owners of `rows` at an extend; a row whose owner changed borrowed its prefix.
 
@@ -121,11 +138,17 @@ class RequestRecord:
         prefix_lens = prefix_lens.to(torch.int32)
         if rids is None:
             # No identities: treat every prefix as borrowed, which can only weaken checks.
-            self.row_own_from[rows] = torch.maximum(self.row_own_from[rows], prefix_lens)
+            self.row_own_from[rows] = torch.maximum(
+                self.row_own_from[rows], prefix_lens
+            )
             return
-        owners = torch.tensor([request_tag(r) for r in rids], dtype=torch.int64).to(self.device, non_blocking=True)
+        owners = torch.tensor([request_tag(r) for r in rids], dtype=torch.int64).to(
+            self.device, non_blocking=True
+        )
         is_new = self.row_owner[rows] != owners
-        self.row_own_from[rows] = torch.where(is_new, prefix_lens, self.row_own_from[rows])
+        self.row_own_from[rows] = torch.where(
+            is_new, prefix_lens, self.row_own_from[rows]
+        )
         self.row_owner[rows] = owners
         if self.identity == IDENTITY_REQUEST:
             self.row_tag[rows] = owners
@@ -157,7 +180,11 @@ class RequestRecord:
                 stream = torch.cuda.current_stream(item.slots.device)
                 stream.wait_event(item.ready)
                 item.slots.record_stream(stream)
-        slots = pending[0].slots if len(pending) == 1 else torch.cat([item.slots for item in pending])
+        slots = (
+            pending[0].slots
+            if len(pending) == 1
+            else torch.cat([item.slots for item in pending])
+        )
         for group in self.groups:
             poison_slots(group, slots)
 
@@ -168,7 +195,9 @@ def poison_slots(group: FingerprintGroup, slots: torch.Tensor) -> None:
     group.slot_fp.index_fill_(0, slots, FREED)
 
 
-def move_fingerprints(group: FingerprintGroup, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+def move_fingerprints(
+    group: FingerprintGroup, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
     """slot[tgt] = slot[src] for fingerprint and writer, next to the KV move it mirrors.
 
     Gather then scatter: a slot that is both a source and a target is read before it is
@@ -184,7 +213,9 @@ def move_fingerprints(group: FingerprintGroup, tgt_loc: torch.Tensor, src_loc: t
     group.slot_writer.index_copy_(0, tgt, moved_writer)
 
 
-_records: "weakref.WeakKeyDictionary[object, RequestRecord]" = weakref.WeakKeyDictionary()
+_records: "weakref.WeakKeyDictionary[object, RequestRecord]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def shared_record(req_to_token_pool: object, identity: str) -> RequestRecord:
@@ -194,5 +225,7 @@ def shared_record(req_to_token_pool: object, identity: str) -> RequestRecord:
         record = RequestRecord(req_to_token_pool.req_to_token, identity)
         _records[req_to_token_pool] = record
     elif record.identity != identity:
-        raise ValueError(f"req_to_token pool already has a {record.identity!r}-identity canary record")
+        raise ValueError(
+            f"req_to_token pool already has a {record.identity!r}-identity canary record"
+        )
     return record

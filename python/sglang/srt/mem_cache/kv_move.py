@@ -56,16 +56,22 @@ def check_move_in_range(
         return
     if tgt_loc.numel() == 0:
         return
-    _launch_slot_check(tgt_loc.reshape(-1), src_loc.reshape(-1), tgt_loc.numel(), num_slots)
+    _launch_slot_check(
+        tgt_loc.reshape(-1), src_loc.reshape(-1), tgt_loc.numel(), num_slots
+    )
 
 
-def _launch_slot_check(a: torch.Tensor, b: torch.Tensor, n: int, num_slots: int) -> None:
+def _launch_slot_check(
+    a: torch.Tensor, b: torch.Tensor, n: int, num_slots: int
+) -> None:
     # Reading the verdict on the host would stall the decode loop on every verify. The device
     # assert traps in the stream ahead of the move kernels and leaves the CUDA context failed,
     # so nothing runs on the bad slot. One kernel: the torch spelling (ge, lt, and, all,
     # assert) is five per tensor.
     block = 1024
-    _assert_slots_in_range_kernel[(triton.cdiv(n, block),)](a, b, n, num_slots, BLOCK=block)
+    _assert_slots_in_range_kernel[(triton.cdiv(n, block),)](
+        a, b, n, num_slots, BLOCK=block
+    )
 
 
 # debug=True compiles device_assert in (it is dropped otherwise). The message is fixed at
@@ -108,7 +114,9 @@ def validate_pool_move(
         return False
     if num_slots is None:
         num_slots = pool_slot_count(pool)
-    check_move_in_range(tgt_loc, src_loc, num_slots, f"{type(pool).__name__}.move_kv_cache")
+    check_move_in_range(
+        tgt_loc, src_loc, num_slots, f"{type(pool).__name__}.move_kv_cache"
+    )
     return True
 
 
@@ -164,7 +172,9 @@ def move_paged_index_k_rows(
     k_block = buf[:, : page_size * k_bytes_per_token].view(
         num_pages, page_size, k_bytes_per_token
     )
-    s_block = buf[:, page_size * k_bytes_per_token :].view(num_pages, page_size, s_bytes)
+    s_block = buf[:, page_size * k_bytes_per_token :].view(
+        num_pages, page_size, s_bytes
+    )
 
     tgt, src = _flat_long(tgt_loc), _flat_long(src_loc)
     tgt_page, tgt_off = tgt // page_size, tgt % page_size

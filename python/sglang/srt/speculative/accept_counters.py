@@ -14,7 +14,9 @@ import torch
 
 
 def pad_accept_counters(
-    num_correct_drafts: torch.Tensor, num_accept_tokens: torch.Tensor, num_tokens_per_req: int
+    num_correct_drafts: torch.Tensor,
+    num_accept_tokens: torch.Tensor,
+    num_tokens_per_req: int,
 ) -> None:
     """Fill padded rows as a fully accepted chain of `num_tokens_per_req` tokens."""
     num_correct_drafts.fill_(num_tokens_per_req - 1)
@@ -22,7 +24,10 @@ def pad_accept_counters(
 
 
 def stage_accept_counters(
-    num_correct_drafts_buf: torch.Tensor, num_accept_tokens_buf: torch.Tensor, spec_info, raw_bs: int
+    num_correct_drafts_buf: torch.Tensor,
+    num_accept_tokens_buf: torch.Tensor,
+    spec_info,
+    raw_bs: int,
 ) -> None:
     """Copy the batch's counters into the first `raw_bs` rows of the graph's buffers."""
     if spec_info.num_correct_drafts is not None:

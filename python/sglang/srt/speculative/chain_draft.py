@@ -33,7 +33,9 @@ class DraftTree(NamedTuple):
     draft_tokens: torch.Tensor
 
 
-def chain_parents(bs: int, num_steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def chain_parents(
+    bs: int, num_steps: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """[bs, num_steps if num_steps > 1 else 0]: node j's parent is node j - 1, the first's is -1.
 
     The general path emits one parent entry per expanded step except the last, so a
@@ -43,7 +45,9 @@ def chain_parents(bs: int, num_steps: int, device: torch.device | str = "cpu") -
     return torch.arange(-1, width - 1, dtype=torch.long, device=device).repeat(bs, 1)
 
 
-def chain_score_indices(bs: int, num_steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def chain_score_indices(
+    bs: int, num_steps: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """[bs, num_steps]: every chain node is kept, in order."""
     return torch.arange(num_steps, dtype=torch.long, device=device).repeat(bs, 1)
 
@@ -67,7 +71,9 @@ class ChainDraft:
     tokens_by_step: torch.Tensor
 
     @classmethod
-    def allocate(cls, num_steps: int, num_draft_tokens: int, max_bs: int, device) -> "ChainDraft":
+    def allocate(
+        cls, num_steps: int, num_draft_tokens: int, max_bs: int, device
+    ) -> "ChainDraft":
         check_chain_shape(num_steps, num_draft_tokens)
         if max_bs < 1:
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
@@ -75,7 +81,9 @@ class ChainDraft:
             num_steps=num_steps,
             parents=chain_parents(max_bs, num_steps, device),
             score_indices=chain_score_indices(max_bs, num_steps, device),
-            tokens_by_step=torch.zeros((num_steps, max_bs), dtype=torch.long, device=device),
+            tokens_by_step=torch.zeros(
+                (num_steps, max_bs), dtype=torch.long, device=device
+            ),
         )
 
     @property
@@ -108,10 +116,11 @@ class ChainDraft:
             if token_map is None:
                 torch.argmax(logits, dim=-1, out=tokens[i + 1])
             else:
-                torch.index_select(token_map, 0, torch.argmax(logits, dim=-1), out=tokens[i + 1])
+                torch.index_select(
+                    token_map, 0, torch.argmax(logits, dim=-1), out=tokens[i + 1]
+                )
             hidden_states = logits_output.hidden_states
         return DraftTree(self.parents[:bs], self.score_indices[:bs], tokens.t())
-
 
     def organize(self, tokens: torch.Tensor) -> DraftTree:
         """For drafts that already produced every step's token (multi-layer EAGLE).
@@ -141,9 +150,13 @@ class ChainDraftTable:
 
         SGLANG_SPEC_CHAIN_FAST_PATH=0 keeps topk == 1 on the general path, for A/B benchmarks.
         """
-        max_bs = chain_max_bs(server_args.cuda_graph_max_bs, server_args.max_running_requests)
+        max_bs = chain_max_bs(
+            server_args.cuda_graph_max_bs, server_args.max_running_requests
+        )
         table = cls(server_args.speculative_eagle_topk, max_bs, device)
-        table.enabled = table.enabled and os.environ.get("SGLANG_SPEC_CHAIN_FAST_PATH", "1") != "0"
+        table.enabled = (
+            table.enabled and os.environ.get("SGLANG_SPEC_CHAIN_FAST_PATH", "1") != "0"
+        )
         return table
 
     def prepare(self, num_steps: int, num_draft_tokens: int) -> None:
@@ -163,5 +176,7 @@ class ChainDraftTable:
         return chain if chain is not None and chain.fits(bs) else None
 
 
-def chain_max_bs(cuda_graph_max_bs: Optional[int], max_running_requests: Optional[int]) -> int:
+def chain_max_bs(
+    cuda_graph_max_bs: Optional[int], max_running_requests: Optional[int]
+) -> int:
     return max(cuda_graph_max_bs or 0, max_running_requests or 0, 1)

@@ -26,14 +26,16 @@ def _row_offsets(width: int, device: torch.device) -> torch.Tensor:
 
 def fixed_width_positions(prefix_lens: torch.Tensor, width: int) -> torch.Tensor:
     """[bs * width] int64: request b's rows sit at positions prefix_lens[b] + 0 .. width - 1,
-    requests one after another (the extend's row order). prefix_lens: [bs], any int dtype."""
+    requests one after another (the extend's row order). prefix_lens: [bs], any int dtype.
+    """
     offsets = _row_offsets(width, prefix_lens.device)
     return (prefix_lens.to(torch.int64).unsqueeze(1) + offsets).view(-1)
 
 
 def positions_suffice(model_runner) -> bool:
     """Whether a forward of this model needs nothing from the extend setup but positions:
-    models with mrope positions, n-gram embeddings or LoRA read the per-request extend lists."""
+    models with mrope positions, n-gram embeddings or LoRA read the per-request extend lists.
+    """
     return not (
         model_runner.model_is_mrope
         or model_runner.use_ngram_embedding

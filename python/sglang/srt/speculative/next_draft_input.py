@@ -31,10 +31,15 @@ class NextDraftInput:
     next_token_logits: torch.Tensor
 
 
-def last_accepted_rows(num_accept_tokens: torch.Tensor, num_tokens_per_req: int) -> torch.Tensor:
+def last_accepted_rows(
+    num_accept_tokens: torch.Tensor, num_tokens_per_req: int
+) -> torch.Tensor:
     """[bs] int64: row of each request's last accepted token in the verify-block layout."""
     bs = num_accept_tokens.shape[0]
-    block_start = torch.arange(bs, device=num_accept_tokens.device, dtype=torch.int64) * num_tokens_per_req
+    block_start = (
+        torch.arange(bs, device=num_accept_tokens.device, dtype=torch.int64)
+        * num_tokens_per_req
+    )
     return block_start + num_accept_tokens.to(torch.int64) - 1
 
 

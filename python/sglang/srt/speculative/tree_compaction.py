@@ -62,14 +62,20 @@ class AcceptedPathMoves:
     @classmethod
     def make_dummy(cls, bs: int, max_accept: int, num_draft_tokens: int, device="cpu"):
         """Identity moves (nothing accepted past the root), for tests."""
-        rows = _front_rows(bs, max_accept, num_draft_tokens, torch.device(device)).flatten()
+        rows = _front_rows(
+            bs, max_accept, num_draft_tokens, torch.device(device)
+        ).flatten()
         return cls(dst_rows=rows, src_rows=rows.clone())
 
 
-def _front_rows(bs: int, max_accept: int, num_draft_tokens: int, device) -> torch.Tensor:
+def _front_rows(
+    bs: int, max_accept: int, num_draft_tokens: int, device
+) -> torch.Tensor:
     # [bs, max_accept]: row b * num_draft_tokens + i
     block_start = torch.arange(bs, dtype=torch.int64, device=device) * num_draft_tokens
-    return block_start[:, None] + torch.arange(max_accept, dtype=torch.int64, device=device)
+    return block_start[:, None] + torch.arange(
+        max_accept, dtype=torch.int64, device=device
+    )
 
 
 def _check_path_fits(max_accept: int, num_draft_tokens: int) -> None:
@@ -80,7 +86,9 @@ def _check_path_fits(max_accept: int, num_draft_tokens: int) -> None:
         )
 
 
-def plan_accepted_path_moves(accept_index: torch.Tensor, num_draft_tokens: int) -> AcceptedPathMoves:
+def plan_accepted_path_moves(
+    accept_index: torch.Tensor, num_draft_tokens: int
+) -> AcceptedPathMoves:
     """accept_index: [bs, max_accept] flat rows of the accepted path, -1 past its end."""
     bs, max_accept = accept_index.shape
     _check_path_fits(max_accept, num_draft_tokens)
@@ -98,7 +106,9 @@ def bonus_tokens_of_compacted(
     a row of only -1 reads the root's row."""
     bs = accept_index.shape[0]
     accept_len = (accept_index >= 0).sum(dim=1).clamp_(min=1)
-    block_start = torch.arange(bs, dtype=torch.int64, device=predict.device) * num_draft_tokens
+    block_start = (
+        torch.arange(bs, dtype=torch.int64, device=predict.device) * num_draft_tokens
+    )
     return predict.index_select(0, block_start + accept_len - 1).to(torch.int32)
 
 
@@ -134,7 +144,9 @@ class RowLayout:
     @classmethod
     def of(cls, rows: torch.Tensor) -> "RowLayout":
         if rows.dim() == 2:
-            return cls(rows.stride(0), max(rows.shape[1], 1), 0, rows.stride(1), rows.shape[1])
+            return cls(
+                rows.stride(0), max(rows.shape[1], 1), 0, rows.stride(1), rows.shape[1]
+            )
         if rows.dim() == 3:
             return cls(
                 rows.stride(0),
@@ -165,13 +177,19 @@ def _move_row_tile(
 ):
     """rows[dst] = rows[src] for columns [tile * BLOCK, (tile + 1) * BLOCK) (RowLayout)."""
     cols = tile * BLOCK + tl.arange(0, BLOCK)
-    col_offsets = (cols // inner_size) * outer_stride + (cols % inner_size) * inner_stride
+    col_offsets = (cols // inner_size) * outer_stride + (
+        cols % inner_size
+    ) * inner_stride
     mask = moves[:, None] & (cols < num_cols)[None, :]
-    gathered = tl.load(rows_ptr + src[:, None] * row_stride + col_offsets[None, :], mask=mask)
+    gathered = tl.load(
+        rows_ptr + src[:, None] * row_stride + col_offsets[None, :], mask=mask
+    )
     # Every source of this tile is read before any target is written (a path that skips a
     # node has rows that are both).
     tl.debug_barrier()
-    tl.store(rows_ptr + dst[:, None] * row_stride + col_offsets[None, :], gathered, mask=mask)
+    tl.store(
+        rows_ptr + dst[:, None] * row_stride + col_offsets[None, :], gathered, mask=mask
+    )
 
 
 @triton.jit
@@ -221,39 +239,88 @@ def _compact_accepted_path_kernel(
     tile = tl.program_id(1)
     i = tl.arange(0, MAX_ACCEPT_POW2)
     on_path_slot = i < max_accept
-    path = tl.load(accept_index_ptr + b * max_accept + i, mask=on_path_slot, other=-1).to(tl.int64)
+    path = tl.load(
+        accept_index_ptr + b * max_accept + i, mask=on_path_slot, other=-1
+    ).to(tl.int64)
     dst = b.to(tl.int64) * num_draft_tokens + i
     moves = on_path_slot & (path >= 0) & (path != dst)
     src = tl.where(moves, path, dst)
 
     if tile == 0:
-        tl.store(tgt_slots_ptr + b * max_accept + i, tl.load(out_cache_loc_ptr + dst, mask=on_path_slot),
-                 mask=on_path_slot)
-        tl.store(src_slots_ptr + b * max_accept + i, tl.load(out_cache_loc_ptr + src, mask=on_path_slot),
-                 mask=on_path_slot)
+        tl.store(
+            tgt_slots_ptr + b * max_accept + i,
+            tl.load(out_cache_loc_ptr + dst, mask=on_path_slot),
+            mask=on_path_slot,
+        )
+        tl.store(
+            src_slots_ptr + b * max_accept + i,
+            tl.load(out_cache_loc_ptr + src, mask=on_path_slot),
+            mask=on_path_slot,
+        )
         tokens = tl.load(predict_ptr + src, mask=on_path_slot)
-        accept_len = tl.maximum(tl.sum((on_path_slot & (path >= 0)).to(tl.int32), axis=0), 1)
-        tl.store(bonus_ptr + b, tl.sum(tl.where(i == accept_len - 1, tokens, 0), axis=0))
+        accept_len = tl.maximum(
+            tl.sum((on_path_slot & (path >= 0)).to(tl.int32), axis=0), 1
+        )
+        tl.store(
+            bonus_ptr + b, tl.sum(tl.where(i == accept_len - 1, tokens, 0), axis=0)
+        )
         tl.debug_barrier()
         tl.store(predict_ptr + dst, tokens, mask=moves)
 
     if HAS_ROWS0:
-        _move_row_tile(rows0_ptr, src, dst, moves, tile, rows0_row_stride, rows0_inner_size,
-                       rows0_outer_stride, rows0_inner_stride, rows0_num_cols, BLOCK)
+        _move_row_tile(
+            rows0_ptr,
+            src,
+            dst,
+            moves,
+            tile,
+            rows0_row_stride,
+            rows0_inner_size,
+            rows0_outer_stride,
+            rows0_inner_stride,
+            rows0_num_cols,
+            BLOCK,
+        )
     if HAS_ROWS1:
-        _move_row_tile(rows1_ptr, src, dst, moves, tile, rows1_row_stride, rows1_inner_size,
-                       rows1_outer_stride, rows1_inner_stride, rows1_num_cols, BLOCK)
+        _move_row_tile(
+            rows1_ptr,
+            src,
+            dst,
+            moves,
+            tile,
+            rows1_row_stride,
+            rows1_inner_size,
+            rows1_outer_stride,
+            rows1_inner_stride,
+            rows1_num_cols,
+            BLOCK,
+        )
     if HAS_ROWS2:
-        _move_row_tile(rows2_ptr, src, dst, moves, tile, rows2_row_stride, rows2_inner_size,
-                       rows2_outer_stride, rows2_inner_stride, rows2_num_cols, BLOCK)
+        _move_row_tile(
+            rows2_ptr,
+            src,
+            dst,
+            moves,
+            tile,
+            rows2_row_stride,
+            rows2_inner_size,
+            rows2_outer_stride,
+            rows2_inner_stride,
+            rows2_num_cols,
+            BLOCK,
+        )
 
 
 def _row_tensors(
-    hidden_states: Optional[torch.Tensor], captures: Sequence[torch.Tensor], num_rows: int
+    hidden_states: Optional[torch.Tensor],
+    captures: Sequence[torch.Tensor],
+    num_rows: int,
 ) -> list[torch.Tensor]:
     """hidden_states (when captured) and the captures, each checked to hold one row per verify
     row: a capture of other rows would be compacted along the wrong rows."""
-    row_tensors = ([hidden_states] if hidden_states is not None else []) + list(captures)
+    row_tensors = ([hidden_states] if hidden_states is not None else []) + list(
+        captures
+    )
     for rows in row_tensors:
         if rows.shape[0] != num_rows:
             raise ValueError(
@@ -313,14 +380,19 @@ def compact_path_rows_triton(
     bs, max_accept = accept_index.shape
     _check_path_fits(max_accept, num_draft_tokens)
     row_tensors = _row_tensors(hidden_states, captures, verify_out_cache_loc.shape[0])
-    fused, unfused = row_tensors[:MAX_FUSED_ROW_TENSORS], row_tensors[MAX_FUSED_ROW_TENSORS:]
+    fused, unfused = (
+        row_tensors[:MAX_FUSED_ROW_TENSORS],
+        row_tensors[MAX_FUSED_ROW_TENSORS:],
+    )
     tgt_slots, src_slots = torch.empty(
         (2, bs * max_accept), dtype=torch.int64, device=accept_index.device
     )
     bonus_tokens = torch.empty(bs, dtype=torch.int32, device=accept_index.device)
     if bs == 0:
         return tgt_slots, src_slots, bonus_tokens
-    num_tiles = max([triton.cdiv(RowLayout.of(rows).num_cols, _ROW_TILE) for rows in fused] + [1])
+    num_tiles = max(
+        [triton.cdiv(RowLayout.of(rows).num_cols, _ROW_TILE) for rows in fused] + [1]
+    )
     slots = fused + [None] * (MAX_FUSED_ROW_TENSORS - len(fused))
     row_args = [arg for rows in slots for arg in _row_tensor_args(rows, predict)]
     _compact_accepted_path_kernel[(bs, num_tiles)](
@@ -366,9 +438,16 @@ def compact_accepted_tree_path(
     (verify_captures.verify_capture_rows). predict, hidden_states and the captures change in
     place.
     """
-    compact = compact_path_rows_triton if predict.is_cuda else compact_path_rows_reference
+    compact = (
+        compact_path_rows_triton if predict.is_cuda else compact_path_rows_reference
+    )
     tgt_slots, src_slots, bonus_tokens = compact(
-        accept_index, num_draft_tokens, verify_out_cache_loc, predict, hidden_states, captures
+        accept_index,
+        num_draft_tokens,
+        verify_out_cache_loc,
+        predict,
+        hidden_states,
+        captures,
     )
     kv_pool.move_kv_cache(tgt_slots, src_slots)
     # The KV canary's fingerprints travel with the K/V they describe (no-op when off).

@@ -61,7 +61,9 @@ def fixed_width_indptrs(kv_lens_cpu: torch.Tensor, width: int) -> FixedWidthIndp
         qo_indptr=torch.arange(0, (bs + 1) * width, width, dtype=torch.int32),
         kv_indptr=torch.cat([zero, kv_lens.cumsum(0)]).to(torch.int32),
         mask_indptr=torch.cat([zero, mask_bits.cumsum(0)]).to(torch.int32),
-        packed_mask_indptr=torch.cat([zero, ((mask_bits + 7) // 8).cumsum(0)]).to(torch.int32),
+        packed_mask_indptr=torch.cat([zero, ((mask_bits + 7) // 8).cumsum(0)]).to(
+            torch.int32
+        ),
     )
 
 
@@ -97,7 +99,9 @@ def build_kv_indices(
 
 
 def pack_tree_mask(
-    custom_mask: torch.Tensor, indptrs: FixedWidthIndptrs, packed_buf: Optional[torch.Tensor]
+    custom_mask: torch.Tensor,
+    indptrs: FixedWidthIndptrs,
+    packed_buf: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed mask [packed bytes] uint8, packed indptr [bs + 1] int32), both on the device.
 
@@ -184,7 +188,9 @@ def plan_fixed_width(
     # the device; its run reads the packed mask from these two fields (in a CUDA graph, from
     # the buffers it was captured with).
     if wrapper.is_cuda_graph_enabled:
-        _, packed_indptr = pack_tree_mask(custom_mask, indptrs, wrapper._custom_mask_buf)
+        _, packed_indptr = pack_tree_mask(
+            custom_mask, indptrs, wrapper._custom_mask_buf
+        )
         wrapper._mask_indptr_buf.copy_(packed_indptr)
     else:
         wrapper._custom_mask_buf, wrapper._mask_indptr_buf = pack_tree_mask(
@@ -200,18 +206,23 @@ def draft_decode_branch_lens(seq_lens: torch.Tensor, topk: int) -> torch.Tensor:
     return seq_lens[:, None].repeat(1, topk).view(-1)
 
 
-def draft_decode_indptrs(seq_lens_cpu: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
+def draft_decode_indptrs(
+    seq_lens_cpu: torch.Tensor, topk: int, num_steps: int
+) -> torch.Tensor:
     """[num_steps, bs * topk + 1] int32 on the CPU: row i holds the KV index pointers of draft
     decode step i, in which branch z (request z // topk) reads its request's seq_len prefix
     slots and then its own i + 1 draft tokens.
 
     These are the pointers sglang's generate_draft_decode_kv_indices writes on the device when
     its `positions` argument holds the branch lengths (draft_decode_branch_lens), and they
-    match the KV slot list that kernel lays out, CUDA-graph padding requests included."""
+    match the KV slot list that kernel lays out, CUDA-graph padding requests included.
+    """
     branch_lens = draft_decode_branch_lens(seq_lens_cpu.to(torch.int64), topk)
     num_branches = branch_lens.shape[0]
     prefix_indptr = torch.zeros(num_branches + 1, dtype=torch.int64)
     torch.cumsum(branch_lens, 0, out=prefix_indptr[1:])
     branch = torch.arange(num_branches + 1, dtype=torch.int64)
     draft_tokens_read = torch.arange(1, num_steps + 1, dtype=torch.int64)
-    return (prefix_indptr[None, :] + draft_tokens_read[:, None] * branch[None, :]).to(torch.int32)
+    return (prefix_indptr[None, :] + draft_tokens_read[:, None] * branch[None, :]).to(
+        torch.int32
+    )

@@ -17,11 +17,16 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
+    from sglang.srt.layers.attention.triton_backend import (
+        ForwardMetadata,
+        TritonAttnBackend,
+    )
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
-def idle_forward_metadata(backend: TritonAttnBackend, forward_batch: ForwardBatch) -> ForwardMetadata:
+def idle_forward_metadata(
+    backend: TritonAttnBackend, forward_batch: ForwardBatch
+) -> ForwardMetadata:
     # Imported here: triton_backend imports this module.
     from sglang.srt.layers.attention.triton_backend import ForwardMetadata
 
@@ -35,15 +40,26 @@ def idle_forward_metadata(backend: TritonAttnBackend, forward_batch: ForwardBatc
     # [num_rows]
     num_kv_splits = torch.ones(num_rows, dtype=torch.int32, device=device)
 
-    def logits(v_head_dim: int) -> torch.Tensor:  # [num_rows, num_head, max_kv_splits, v_head_dim]
-        return torch.empty((num_rows, backend.num_head, backend.max_kv_splits, v_head_dim),
-                           dtype=torch.float32, device=device)
+    def logits(
+        v_head_dim: int,
+    ) -> torch.Tensor:  # [num_rows, num_head, max_kv_splits, v_head_dim]
+        return torch.empty(
+            (num_rows, backend.num_head, backend.max_kv_splits, v_head_dim),
+            dtype=torch.float32,
+            device=device,
+        )
 
-    sliding_window = backend.sliding_window_size is not None and backend.sliding_window_size > 0
+    sliding_window = (
+        backend.sliding_window_size is not None and backend.sliding_window_size > 0
+    )
     return ForwardMetadata(
         attn_logits=logits(backend.v_head_dim),
         # [num_rows, num_head, max_kv_splits]
-        attn_lse=torch.empty((num_rows, backend.num_head, backend.max_kv_splits), dtype=torch.float32, device=device),
+        attn_lse=torch.empty(
+            (num_rows, backend.num_head, backend.max_kv_splits),
+            dtype=torch.float32,
+            device=device,
+        ),
         max_extend_len=None,
         num_kv_splits=num_kv_splits,
         kv_indptr=kv_indptr,
@@ -55,5 +71,7 @@ def idle_forward_metadata(backend: TritonAttnBackend, forward_batch: ForwardBatc
         window_kv_indices=kv_indices if sliding_window else None,
         window_num_kv_splits=num_kv_splits if sliding_window else None,
         window_kv_offsets=None,
-        swa_attn_logits=None if backend.swa_v_head_dim is None else logits(backend.swa_v_head_dim),
+        swa_attn_logits=(
+            None if backend.swa_v_head_dim is None else logits(backend.swa_v_head_dim)
+        ),
     )
