@@ -86,4 +86,6 @@ def test_slug_matches_github():
         "per-bracket-staging-build-ca0e33ee-2026-11-23-h100"
     )
     assert _slug("Spec v2 vs v1 trees on FA3") == "spec-v2-vs-v1-trees-on-fa3"
-    assert _slug("Chains, trees and no speculation") == "chains-trees-and-no-speculation"
+    assert (
+        _slug("Chains, trees and no speculation") == "chains-trees-and-no-speculation"
+    )

@@ -16,7 +16,7 @@ FORMATTED_DIRS = ["python", "tools", "test", "benchmark"]
 
 @pytest.mark.parametrize(
     "tool,check_args",
-    [("black", ["--check", "--quiet"]), ("isort", ["--check-only", "--quiet"])],
+    [("black", ["--check"]), ("isort", ["--check-only"])],
 )
 def test_code_is_formatted(tool, check_args):
     result = subprocess.run(
