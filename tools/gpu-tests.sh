@@ -11,7 +11,7 @@ python3 -m pytest test/registered -m gpu -p no:cacheprovider --summary-json "$ou
 status=${PIPESTATUS[0]}
 if [ -f .flashinfer/manifest.json ]; then
   # What this call compiled comes back for the next calls: copy it into .flashinfer/.
-  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.flashinfer_stage collect "$out"
+  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage collect "$out"
 fi
 python3 - "$out/gpu-summary.json" <<'PY'
 import json, sys

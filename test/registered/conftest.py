@@ -19,7 +19,7 @@ try:
 except ImportError:  # the GPU host runs from a bare checkout
     sys.path.insert(0, str(REPO / "tools"))
 
-from specpatch import cudastub  # noqa: E402
+from specpatch.testing import cudastub  # noqa: E402
 
 # Must run before anything imports sgl_kernel: it links libcuda.so.1, absent without a driver.
 CUDA_STUB = cudastub.preload()  # "driver" on a GPU host
@@ -105,7 +105,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 # Synthetic model pairs for GPU tests, generated once per session (on the GPU, no downloads).
 def _pair(tmp_path_factory, preset: str, agreement: float) -> tuple[Path, Path]:
-    from specpatch import synth
+    from specpatch.testing import synth
 
     cache = os.environ.get("SPECPATCH_MODEL_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("models")
@@ -125,8 +125,8 @@ def toy_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def standalone_pair(tmp_path_factory):
     """The toy Llama target + a STANDALONE draft, an ordinary Llama LM agreeing with it on ~70%
-    of tokens (specpatch.synth_standalone)."""
-    from specpatch import synth, synth_standalone
+    of tokens (specpatch.testing.synth_standalone)."""
+    from specpatch.testing import synth, synth_standalone
 
     cache = os.environ.get("SPECPATCH_MODEL_CACHE")
     out = (
@@ -140,8 +140,8 @@ def standalone_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_eagle3_pair(tmp_path_factory):
     """Dense Qwen3 target + EAGLE3 draft whose first step agrees on ~70% of tokens: the pair
-    DP attention can run (specpatch.synth_eagle3)."""
-    from specpatch import synth, synth_eagle3
+    DP attention can run (specpatch.testing.synth_eagle3)."""
+    from specpatch.testing import synth, synth_eagle3
 
     cache = os.environ.get("SPECPATCH_MODEL_CACHE")
     name = f"qwen3-eagle3-aux{len(synth_eagle3.AUX_LAYER_IDS)}-a0.7"

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, "tools")
-from specpatch import engine as eng  # noqa: E402
-from specpatch import synth, synth_eagle3  # noqa: E402
+from specpatch.testing import engine as eng  # noqa: E402
+from specpatch.testing import synth, synth_eagle3  # noqa: E402
 
 CONFIGS = {"chain-v2": eng.SpecConfig(1, 3, 4), "tree-v1": eng.SpecConfig(4, 3, 8, overlap=False)}
 MAX_NEW_TOKENS = 48
