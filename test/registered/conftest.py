@@ -1,13 +1,12 @@
 """Shared test setup: make `specpatch` importable, load the CUDA driver stub on CPU machines,
-skip `gpu` tests without CUDA, and write a JSON summary (`--summary-json`) for the GPU tier.
+skip `gpu` tests without CUDA, and record metrics that `--junitxml` reports (the GPU tier's
+summary, tools/gpu-tests.sh).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -36,12 +35,6 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def pytest_addoption(parser):
-    parser.addoption(
-        "--summary-json", default=None, help="write a JSON summary of the run here"
-    )
-
-
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
@@ -53,54 +46,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _report_cuda_stub(record_testsuite_property):
+    """--junitxml names the libcuda the run loaded: "driver" on a GPU host."""
+    record_testsuite_property("cuda_stub", CUDA_STUB)
+
+
 @pytest.fixture
 def record_metric(request):
-    """Record a number for the run summary, e.g. record_metric("tok_per_s", 1834.2)."""
+    """Record a number for the run's report, e.g. record_metric("tok_per_s", 1834.2): --junitxml
+    writes it as a <property> of the test's <testcase>. pytest's record_property does the same
+    but warns under the default junit family (xunit2)."""
 
     def record(name: str, value) -> None:
         request.node.user_properties.append((name, value))
 
     return record
-
-
-_results: list[dict] = []
-
-
-def pytest_runtest_logreport(report):
-    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        _results.append(
-            {
-                "test": report.nodeid,
-                "outcome": report.outcome,
-                "seconds": round(report.duration, 2),
-                "metrics": dict(report.user_properties),
-                **(
-                    {"skip_reason": report.longrepr[2]}
-                    if report.skipped and isinstance(report.longrepr, tuple)
-                    else {}
-                ),
-                # The GPU host's output comes back cut to its tail: keep why a test failed here.
-                **({"failure": report.longreprtext[-3000:]} if report.failed else {}),
-            }
-        )
-
-
-def pytest_sessionfinish(session, exitstatus):
-    path = session.config.getoption("--summary-json")
-    if not path:
-        return
-    counts: dict[str, int] = {}
-    for r in _results:
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    summary = {
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "exitstatus": int(exitstatus),
-        "cuda_stub": CUDA_STUB,
-        "counts": counts,
-        "tests": _results,
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(summary, indent=1) + "\n")
 
 
 # Synthetic model pairs for GPU tests, generated once per session (on the GPU, no downloads).
