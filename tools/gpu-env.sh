@@ -2,8 +2,8 @@
 #   source tools/gpu-env.sh
 # The bundle travels as .gpu-bundle/ or, repacked smaller, as .gpu-bundle-xz/
 # (tools/pack-gpu-bundle.sh); .whl/ holds wheels the bundle lacks (tools/stage-extra-wheels.sh),
-# .flashinfer/ FlashInfer's JIT headers and compiled modules (specpatch.flashinfer_stage),
-# /tmp/fa3 FA3's library when its parts were shipped (specpatch.fa3_stage).
+# .flashinfer/ FlashInfer's JIT headers and compiled modules (specpatch.gpu_host.flashinfer_stage),
+# /tmp/fa3 FA3's library when its parts were shipped (specpatch.gpu_host.fa3_stage).
 if [ ! -f .gpu-bundle/env.sh ] && [ -f .gpu-bundle-xz/deps.tar.xz ]; then
   mkdir -p .gpu-bundle && for a in .gpu-bundle-xz/*.tar.xz; do tar -xJf "$a" -C .gpu-bundle; done
 fi
@@ -12,9 +12,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu-site .whl/*.whl 2>&1 | grep -v WARNING
 fi
 if [ -f .flashinfer/manifest.json ]; then
-  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.flashinfer_stage install .flashinfer || return 1
+  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage install .flashinfer || return 1
 fi
 if [ -f /tmp/fa3/manifest.json ]; then
-  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.fa3_stage install /tmp/fa3 || return 1
+  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.fa3_stage install /tmp/fa3 || return 1
 fi
 export SPECPATCH_MODEL_CACHE=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}

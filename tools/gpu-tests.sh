@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
 # GPU tier, on the GPU host, from the checkout root, with the bundle staged from a cp312 build:
 #   bash tools/gpu-tests.sh [OUT_DIR] [pytest args...]
-# Runs every test marked `gpu` and writes OUT_DIR/gpu-summary.json (counts, per-test outcome,
-# seconds and recorded metrics) and OUT_DIR/gpu-tests.log.
+# Runs every test marked `gpu` and writes OUT_DIR/gpu-junit.xml (pytest's junitxml: each test's
+# outcome, seconds, failure text, and the metrics it recorded as <property> elements) and
+# OUT_DIR/gpu-tests.log, then prints one line of counts, "gpu summary: {...}".
 set -uo pipefail
 out=${1:-${OUT:-build/gpu}}; shift || true
 mkdir -p "$out"
 source tools/gpu-env.sh || exit 1
-python3 -m pytest test/registered -m gpu -p no:cacheprovider --summary-json "$out/gpu-summary.json" "$@" 2>&1 | tee "$out/gpu-tests.log"
+python3 -m pytest test/registered -m gpu -p no:cacheprovider --junitxml "$out/gpu-junit.xml" "$@" 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
 if [ -f .flashinfer/manifest.json ]; then
   # What this call compiled comes back for the next calls: copy it into .flashinfer/.
-  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.flashinfer_stage collect "$out"
+  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage collect "$out"
 fi
-python3 - "$out/gpu-summary.json" <<'PY'
-import json, sys
-s = json.load(open(sys.argv[1]))
-print("gpu summary:", s["counts"])
+python3 - "$out/gpu-junit.xml" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+try:
+    cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+except (OSError, ET.ParseError) as err:
+    print("gpu summary: no junit report:", err)
+    sys.exit(0)
+counts = {}
+for case in cases:
+    tag = next((t for t in ("failure", "error", "skipped") if case.find(t) is not None), "")
+    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(tag, "passed")
+    counts[outcome] = counts.get(outcome, 0) + 1
+print("gpu summary:", counts)
 PY
 exit $status

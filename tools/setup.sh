@@ -22,5 +22,5 @@ wheel=$(ls -t dist/sglang-0.5.12.post1+spec.*-cp311-*.whl | head -n 1)
 # black and isort at upstream sglang's pre-commit versions: test_format checks our code with them.
 uv pip install -q --python .venv/bin/python -c constraints.txt --reinstall-package sglang "$wheel" pytest \
   black==24.10.0 isort==5.13.2
-.venv/bin/python -m specpatch.cudastub build >/dev/null
+.venv/bin/python -m specpatch.testing.cudastub build >/dev/null
 .venv/bin/specpatch status

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from specpatch import engine as eng  # noqa: E402
-from specpatch import synth  # noqa: E402
+from specpatch.testing import engine as eng  # noqa: E402
+from specpatch.testing import synth  # noqa: E402
 
 SHAPES = {1: eng.SpecConfig(1, 3, 4), 16: eng.SpecConfig(16, 3, 32)}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from specpatch.fake_draft import (  # noqa: E402
+from specpatch.testing.fake_draft import (  # noqa: E402
     DenseDraftRunner,
     make_draft_worker,
     make_forward_batch,

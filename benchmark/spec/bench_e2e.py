@@ -13,9 +13,9 @@ measured, it also prints tree v2 / v1 tok/s and tree / chain accept length per b
 --ratios A/B,C/D prints tok/s ratios of any measured pairs. --replot results.json redraws
 the PNG only.
 
-Presets (specpatch.synth.PRESETS): toy, small, bench (1.21B) and llama8b (7.24B, Llama-3-8B's
+Presets (specpatch.testing.synth.PRESETS): toy, small, bench (1.21B) and llama8b (7.24B, Llama-3-8B's
 shape). The pair is made on the GPU the first time; --models DIR keeps it for later calls on a
-warm host. KV pools are sized by specpatch.engine.pool_tokens so that a 7B pair fits an H100.
+warm host. KV pools are sized by specpatch.testing.engine.pool_tokens so that a 7B pair fits an H100.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from specpatch import engine as eng  # noqa: E402
-from specpatch import synth  # noqa: E402
+from specpatch.testing import engine as eng  # noqa: E402
+from specpatch.testing import synth  # noqa: E402
 
 CONFIGS = {
     "none": (None, {}),

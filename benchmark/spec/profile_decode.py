@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import bench_e2e  # noqa: E402
 
-from specpatch import engine as eng  # noqa: E402
-from specpatch import synth  # noqa: E402
+from specpatch.testing import engine as eng  # noqa: E402
+from specpatch.testing import synth  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 LAUNCH_CALLS = (

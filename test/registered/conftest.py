@@ -1,13 +1,12 @@
 """Shared test setup: make `specpatch` importable, load the CUDA driver stub on CPU machines,
-skip `gpu` tests without CUDA, and write a JSON summary (`--summary-json`) for the GPU tier.
+skip `gpu` tests without CUDA, and record metrics that `--junitxml` reports (the GPU tier's
+summary, tools/gpu-tests.sh).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ try:
 except ImportError:  # the GPU host runs from a bare checkout
     sys.path.insert(0, str(REPO / "tools"))
 
-from specpatch import cudastub  # noqa: E402
+from specpatch.testing import cudastub  # noqa: E402
 
 # Must run before anything imports sgl_kernel: it links libcuda.so.1, absent without a driver.
 CUDA_STUB = cudastub.preload()  # "driver" on a GPU host
@@ -36,12 +35,6 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def pytest_addoption(parser):
-    parser.addoption(
-        "--summary-json", default=None, help="write a JSON summary of the run here"
-    )
-
-
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
@@ -53,9 +46,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _report_cuda_stub(record_testsuite_property):
+    """--junitxml names the libcuda the run loaded: "driver" on a GPU host."""
+    record_testsuite_property("cuda_stub", CUDA_STUB)
+
+
 @pytest.fixture
 def record_metric(request):
-    """Record a number for the run summary, e.g. record_metric("tok_per_s", 1834.2)."""
+    """Record a number for the run's report, e.g. record_metric("tok_per_s", 1834.2): --junitxml
+    writes it as a <property> of the test's <testcase>. pytest's record_property does the same
+    but warns under the default junit family (xunit2)."""
 
     def record(name: str, value) -> None:
         request.node.user_properties.append((name, value))
@@ -63,49 +64,9 @@ def record_metric(request):
     return record
 
 
-_results: list[dict] = []
-
-
-def pytest_runtest_logreport(report):
-    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        _results.append(
-            {
-                "test": report.nodeid,
-                "outcome": report.outcome,
-                "seconds": round(report.duration, 2),
-                "metrics": dict(report.user_properties),
-                **(
-                    {"skip_reason": report.longrepr[2]}
-                    if report.skipped and isinstance(report.longrepr, tuple)
-                    else {}
-                ),
-                # The GPU host's output comes back cut to its tail: keep why a test failed here.
-                **({"failure": report.longreprtext[-3000:]} if report.failed else {}),
-            }
-        )
-
-
-def pytest_sessionfinish(session, exitstatus):
-    path = session.config.getoption("--summary-json")
-    if not path:
-        return
-    counts: dict[str, int] = {}
-    for r in _results:
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    summary = {
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "exitstatus": int(exitstatus),
-        "cuda_stub": CUDA_STUB,
-        "counts": counts,
-        "tests": _results,
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(summary, indent=1) + "\n")
-
-
 # Synthetic model pairs for GPU tests, generated once per session (on the GPU, no downloads).
 def _pair(tmp_path_factory, preset: str, agreement: float) -> tuple[Path, Path]:
-    from specpatch import synth
+    from specpatch.testing import synth
 
     cache = os.environ.get("SPECPATCH_MODEL_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("models")
@@ -125,8 +86,8 @@ def toy_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def standalone_pair(tmp_path_factory):
     """The toy Llama target + a STANDALONE draft, an ordinary Llama LM agreeing with it on ~70%
-    of tokens (specpatch.synth_standalone)."""
-    from specpatch import synth, synth_standalone
+    of tokens (specpatch.testing.synth_standalone)."""
+    from specpatch.testing import synth, synth_standalone
 
     cache = os.environ.get("SPECPATCH_MODEL_CACHE")
     out = (
@@ -140,8 +101,8 @@ def standalone_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_eagle3_pair(tmp_path_factory):
     """Dense Qwen3 target + EAGLE3 draft whose first step agrees on ~70% of tokens: the pair
-    DP attention can run (specpatch.synth_eagle3)."""
-    from specpatch import synth, synth_eagle3
+    DP attention can run (specpatch.testing.synth_eagle3)."""
+    from specpatch.testing import synth, synth_eagle3
 
     cache = os.environ.get("SPECPATCH_MODEL_CACHE")
     name = f"qwen3-eagle3-aux{len(synth_eagle3.AUX_LAYER_IDS)}-a0.7"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specpatch import cudastub
+from specpatch.testing import cudastub
 
 TOOLS = Path(__file__).resolve().parents[3] / "tools"
 MODULES = [
@@ -38,7 +38,7 @@ MODULES = [
 # Preload first, exactly as the conftest does, then time the import alone.
 PROBE = """
 import importlib, json, sys, time
-from specpatch import cudastub
+from specpatch.testing import cudastub
 libcuda = cudastub.preload()
 start = time.perf_counter()
 importlib.import_module(sys.argv[1])

@@ -1,4 +1,4 @@
-"""specpatch.engine's helpers on fakes: what best_of times and returns, the DP-attention port
+"""specpatch.testing.engine's helpers on fakes: what best_of times and returns, the DP-attention port
 block, and clean-up after a failed engine start."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from specpatch import engine as eng
+from specpatch.testing import engine as eng
 
 
 class _FakeEngine:

@@ -1,4 +1,4 @@
-"""specpatch.fa3_stage: FA3's library shipped to the GPU host in parts, sm90 images only."""
+"""specpatch.gpu_host.fa3_stage: FA3's library shipped to the GPU host in parts, sm90 images only."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specpatch import fa3_stage
+from specpatch.gpu_host import fa3_stage
 
 ENTRY_HEADER = 64
 

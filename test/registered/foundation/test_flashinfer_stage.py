@@ -1,4 +1,4 @@
-"""specpatch.flashinfer_stage: FlashInfer's JIT headers to the GPU host, compiled modules back."""
+"""specpatch.gpu_host.flashinfer_stage: FlashInfer's JIT headers to the GPU host, compiled modules back."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specpatch import flashinfer_stage as stage
+from specpatch.gpu_host import flashinfer_stage as stage
 
 WHEEL_FILES = {
     "flashinfer/__init__.py": "",

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from specpatch import engine as eng
-from specpatch import synth
+from specpatch.testing import engine as eng
+from specpatch.testing import synth
 
 pytestmark = pytest.mark.gpu
 
@@ -142,7 +142,7 @@ def test_http_server_serves_canary_stats(toy_pair):
 
 
 # The pair each algorithm drafts with: an ordinary Llama LM for STANDALONE (the Llama target's
-# head rows moved, specpatch.synth_standalone), an EAGLE3 head on a dense Qwen3 target.
+# head rows moved, specpatch.testing.synth_standalone), an EAGLE3 head on a dense Qwen3 target.
 PAIR_FIXTURES = {"STANDALONE": "standalone_pair", "EAGLE3": "qwen3_eagle3_pair"}
 DRAFT_OFFSET_1 = re.compile(
     r"KV canary on for draft: mode=\w+ identity=\w+ token_offset=1 "

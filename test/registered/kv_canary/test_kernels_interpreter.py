@@ -10,7 +10,7 @@ from pathlib import Path
 
 import kernel_cases
 
-from specpatch.interpret import interpreter_suite
+from specpatch.testing.interpret import interpreter_suite
 
 HERE = Path(__file__).resolve().parent
 INNER = HERE / "interpreter_cases.py"

@@ -13,7 +13,7 @@ import torch
 
 from sglang.srt.kv_canary import CanaryMode, api, config
 from sglang.srt.kv_canary.faults import ENV_FAULT, ENV_FAULT_STEP
-from specpatch import synth
+from specpatch.testing import synth
 
 
 @pytest.fixture(scope="module")

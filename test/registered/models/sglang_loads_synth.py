@@ -16,14 +16,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tools"))
 
-from specpatch import cudastub  # noqa: E402
+from specpatch.testing import cudastub  # noqa: E402
 
 cudastub.preload()
 
 import torch  # noqa: E402
 
-from specpatch import synth  # noqa: E402
-from specpatch.single_rank import init_model_parallel_on_cpu  # noqa: E402
+from specpatch.testing import synth  # noqa: E402
+from specpatch.testing.single_rank import init_model_parallel_on_cpu  # noqa: E402
 
 # sglang fuses these checkpoint tensors into one parameter, in this order.
 STACKED = {

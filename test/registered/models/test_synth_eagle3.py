@@ -1,4 +1,4 @@
-"""The synthetic EAGLE3 pair (specpatch.synth_eagle3): a dense Qwen3 target that transformers
+"""The synthetic EAGLE3 pair (specpatch.testing.synth_eagle3): a dense Qwen3 target that transformers
 runs as its bigram table, and an EAGLE3 draft whose first step agrees as tuned, in context."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specpatch import synth
-from specpatch import synth_eagle3 as e3
+from specpatch.testing import synth
+from specpatch.testing import synth_eagle3 as e3
 
 
 def _names(model_dir: Path) -> set[str]:

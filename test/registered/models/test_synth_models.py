@@ -1,4 +1,4 @@
-"""Synthetic model pairs (specpatch.synth): tunable draft agreement, large target margins,
+"""Synthetic model pairs (specpatch.testing.synth): tunable draft agreement, large target margins,
 valid HF Llama checkpoints, and the weight names sglang's loaders expect."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specpatch import engine as eng
-from specpatch import synth
+from specpatch.testing import engine as eng
+from specpatch.testing import synth
 
 
 def _names(model_dir: Path) -> set[str]:

@@ -1,4 +1,4 @@
-"""The synthetic Qwen3-MoE target (specpatch.synth, family="qwen3_moe"): transformers runs it as
+"""The synthetic Qwen3-MoE target (specpatch.testing.synth, family="qwen3_moe"): transformers runs it as
 its bigram table, its router sends every token to the experts synth says in every layer, and
 sglang's Qwen3MoeForCausalLM loads it as written. The GPU test of routed experts under tree
 speculation (test/registered/spec/test_tree_v2_captures_gpu.py) stands on these."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpatch import synth
+from specpatch.testing import synth
 
 NUM_LAYERS = 2
 

@@ -1,4 +1,4 @@
-"""The synthetic STANDALONE pair (specpatch.synth_standalone): the Llama target, and a complete
+"""The synthetic STANDALONE pair (specpatch.testing.synth_standalone): the Llama target, and a complete
 Llama LM as its draft that transformers runs as a bigram table agreeing with the target's on
 the fraction asked for."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpatch import synth
-from specpatch import synth_standalone as sa
+from specpatch.testing import synth
+from specpatch.testing import synth_standalone as sa
 
 AGREEMENT = 0.7
 

@@ -15,8 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specpatch.engine import SpecConfig
-from specpatch.fake_draft import TableDraftRunner, make_draft_worker, make_forward_batch
+from specpatch.testing.engine import SpecConfig
+from specpatch.testing.fake_draft import (
+    TableDraftRunner,
+    make_draft_worker,
+    make_forward_batch,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -196,8 +200,8 @@ def test_draft_extend_attention_extend_lengths_are_num_accept_tokens():
 def test_scheduler_accept_length_metric_agrees_with_request_counters(
     toy_pair, spec, record_metric
 ):
-    from specpatch import engine as eng
-    from specpatch import synth
+    from specpatch.testing import engine as eng
+    from specpatch.testing import synth
 
     target, draft = toy_pair
     prompts = eng.random_prompts(16, synth.load_meta(target)["spec"]["vocab"], seed=11)

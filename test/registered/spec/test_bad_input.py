@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang.srt.arg_groups import speculative_hook as hook
-from specpatch import synth
+from specpatch.testing import synth
 
 IGNORED = "speculative decoding is off and these flags are ignored"
 

@@ -22,8 +22,8 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 from sglang.srt.speculative.multi_layer_eagle_worker_v2 import (
     MultiLayerEagleDraftWorker,
 )
-from specpatch import fake_draft
-from specpatch.fake_draft import TableDraftRunner, make_draft_worker
+from specpatch.testing import fake_draft
+from specpatch.testing.fake_draft import TableDraftRunner, make_draft_worker
 
 VOCAB, HIDDEN = 97, 8
 

@@ -7,7 +7,11 @@ import re
 import pytest
 import torch
 
-from specpatch.fake_draft import DenseDraftRunner, make_draft_worker, make_forward_batch
+from specpatch.testing.fake_draft import (
+    DenseDraftRunner,
+    make_draft_worker,
+    make_forward_batch,
+)
 
 pytestmark = pytest.mark.gpu
 

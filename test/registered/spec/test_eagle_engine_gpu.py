@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import requests
 
-from specpatch import engine as eng
-from specpatch import synth
+from specpatch.testing import engine as eng
+from specpatch.testing import synth
 
 pytestmark = pytest.mark.gpu
 

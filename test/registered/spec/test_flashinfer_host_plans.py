@@ -13,7 +13,7 @@ from sglang.srt.layers.attention.flashinfer_host_plans import (
     fixed_width_indptrs,
     fixed_width_kv_lens,
 )
-from specpatch.interpret import interpreter_suite
+from specpatch.testing.interpret import interpreter_suite
 
 HERE = Path(__file__).resolve().parent
 

@@ -20,7 +20,7 @@ from sglang.srt.speculative.draft_step_binding import bind_draft_step
 from sglang.srt.speculative.multi_layer_eagle_worker_v2 import (
     MultiLayerEagleDraftWorker,
 )
-from specpatch.single_rank import init_model_parallel_on_cpu
+from specpatch.testing.single_rank import init_model_parallel_on_cpu
 
 NUM_STEPS, VOCAB = 3, 11
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import spec_utils_cases
 
-from specpatch.interpret import interpreter_suite
+from specpatch.testing.interpret import interpreter_suite
 
 HERE = Path(__file__).resolve().parent
 NAMES = [f"test_kernels_match_references[{c.name}]" for c in spec_utils_cases.CASES]

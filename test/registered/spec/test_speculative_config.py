@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specpatch import synth
+from specpatch.testing import synth
 
 
 @pytest.fixture(scope="module")

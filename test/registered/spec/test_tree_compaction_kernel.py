@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import tree_compaction_cases
 
-from specpatch.interpret import interpreter_suite
+from specpatch.testing.interpret import interpreter_suite
 
 HERE = Path(__file__).resolve().parent
 NAMES = [

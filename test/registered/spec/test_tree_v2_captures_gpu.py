@@ -1,6 +1,6 @@
 """Routed experts (--enable-return-routed-experts) under tree speculation equal those without.
 
-The target is a synthetic Qwen3-MoE (specpatch.synth, family="qwen3_moe") whose greedy next
+The target is a synthetic Qwen3-MoE (specpatch.testing.synth, family="qwen3_moe") whose greedy next
 token is its bigram table and whose router sends each token to fixed experts in every layer,
 with a wide logit gap; the draft is a dense EAGLE head agreeing on ~70% of tokens. sglang
 returns one row of experts per position, read from the host cache by KV slot. Spec v2 trees
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specpatch import engine as eng
-from specpatch import synth
+from specpatch.testing import engine as eng
+from specpatch.testing import synth
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Spec v2 tree drafting with an EAGLE3 draft on a dense Qwen3 target (specpatch.synth_eagle3),
+"""Spec v2 tree drafting with an EAGLE3 draft on a dense Qwen3 target (specpatch.testing.synth_eagle3),
 on one GPU and with DP attention on two.
 
 With DP attention a rank that has no request still runs the draft, verify and draft extend of
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from specpatch import engine as eng
-from specpatch import synth
+from specpatch.testing import engine as eng
+from specpatch.testing import synth
 
 pytestmark = pytest.mark.gpu
 

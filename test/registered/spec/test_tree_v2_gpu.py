@@ -10,8 +10,8 @@ from typing import Optional
 
 import pytest
 
-from specpatch import engine as eng
-from specpatch import synth
+from specpatch.testing import engine as eng
+from specpatch.testing import synth
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +48,7 @@ def _fa3_unavailable() -> Optional[str]:
     try:
         import sgl_kernel.flash_attn  # noqa: F401
     except ImportError as exc:
-        return f"{exc} The GPU bundle leaves FA3 out; tools/specpatch/fa3_stage.py ships it in parts."
+        return f"{exc} The GPU bundle leaves FA3 out; tools/specpatch/gpu_host/fa3_stage.py ships it in parts."
     return None
 
 

@@ -6,11 +6,11 @@ sm90 cubins are ever loaded there. `pack` zeroes the payloads of the other archi
 place, keeping every header and size so that no offset in the ELF moves, gzips the result (the
 zeroed ranges compress to almost nothing) and splits it into parts that each fit one call:
 
-    python -m specpatch.fa3_stage pack .fa3            # here: .fa3/part00 ... + manifest.json
+    python -m specpatch.gpu_host.fa3_stage pack .fa3   # here: .fa3/part00 ... + manifest.json
     # one device call per part, carrying [".fa3/manifest.json", ".fa3/partNN"]:
-    PYTHONPATH=tools python3 -m specpatch.fa3_stage receive .fa3 /tmp/fa3
+    PYTHONPATH=tools python3 -m specpatch.gpu_host.fa3_stage receive .fa3 /tmp/fa3
     # then, after `source .gpu-bundle/env.sh` (which recreates /tmp/gpu-site) in every call:
-    PYTHONPATH=tools python3 -m specpatch.fa3_stage install /tmp/fa3
+    PYTHONPATH=tools python3 -m specpatch.gpu_host.fa3_stage install /tmp/fa3
 
 `install` checks the assembled archive against the manifest's sha256 before unpacking, so a
 missing or repeated part is an error, not a corrupt library.
@@ -214,7 +214,8 @@ def _sgl_kernel_dir() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m specpatch.fa3_stage", description=__doc__.split("\n")[0]
+        prog="python -m specpatch.gpu_host.fa3_stage",
+        description=__doc__.split("\n")[0],
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="zero the other archs, compress, split into parts")

@@ -6,11 +6,11 @@ cannot JIT-compile there. The host has nvcc and ninja; it lacks only those heade
 puts them into one xz archive of about 4 MiB; `install` unpacks them into the host's
 flashinfer, and with them any modules compiled by an earlier call:
 
-    python -m specpatch.flashinfer_stage pack .flashinfer      # here, once per flashinfer version
+    python -m specpatch.gpu_host.flashinfer_stage pack .flashinfer  # here, once per version
     # every device call, carrying ".flashinfer" (after `source .gpu-bundle/env.sh`):
-    PYTHONPATH=tools python3 -m specpatch.flashinfer_stage install .flashinfer
+    PYTHONPATH=tools python3 -m specpatch.gpu_host.flashinfer_stage install .flashinfer
     ... run sglang with --attention-backend flashinfer (first use compiles, minutes) ...
-    PYTHONPATH=tools python3 -m specpatch.flashinfer_stage collect "$OUT"
+    PYTHONPATH=tools python3 -m specpatch.gpu_host.flashinfer_stage collect "$OUT"
     # here: copy $OUT's flashinfer-aot.tar.gz into .flashinfer/ for the next calls
 
 Compiled modules travel as FlashInfer's own AOT layout (`data/aot/<name>/<name>.so`), which it
@@ -155,7 +155,8 @@ def fetch_wheel(cache: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m specpatch.flashinfer_stage", description=__doc__.split("\n")[0]
+        prog="python -m specpatch.gpu_host.flashinfer_stage",
+        description=__doc__.split("\n")[0],
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser(

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specpatch import synth
+from specpatch.testing import synth
 
 # The target layers whose outputs feed the draft (sglang captures the input of layer id + 1).
 # Three, sglang's default: the draft-extend CUDA graph sizes its hidden-states buffer from the

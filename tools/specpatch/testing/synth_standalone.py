@@ -9,7 +9,7 @@ along a cycle through D makes the draft answer another token of D wherever the t
 token of D. So the draft agrees on exactly 1 - |D| / vocab of the current tokens, in any dtype
 (rows only move), and it costs as much as the target, which correctness tests do not mind.
 
-    python -m specpatch.synth_standalone --out DIR --preset toy --agreement 0.7 [--device cuda]
+    python -m specpatch.testing.synth_standalone --out DIR --preset toy --agreement 0.7 [--device cuda]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specpatch import synth
+from specpatch.testing import synth
 
 
 @dataclass
@@ -92,7 +92,7 @@ def make_standalone_pair(
     seed: int = 0,
     device="cpu",
 ) -> tuple[synth.TargetInfo, StandaloneDraftInfo]:
-    """-> out_root/target (the Llama target of specpatch.synth) and out_root/draft."""
+    """-> out_root/target (the Llama target of specpatch.testing.synth) and out_root/draft."""
     out_root = Path(out_root)
     spec = synth.TargetSpec(**{**asdict(synth.PRESETS[preset]), "seed": seed})
     target = synth.make_target(out_root / "target", spec, device=device)
@@ -108,7 +108,7 @@ def make_standalone_pair(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m specpatch.synth_standalone",
+        prog="python -m specpatch.testing.synth_standalone",
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--out", required=True, help="writes OUT/target and OUT/draft")

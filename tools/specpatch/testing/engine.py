@@ -24,7 +24,7 @@ BUNDLE_FLAGS = dict(
 
 def flashinfer_unavailable() -> Optional[str]:
     """Why FlashInfer's kernels cannot run here, or None: they JIT-compile against headers the
-    GPU bundle drops (specpatch.flashinfer_stage ships them, and modules compiled before).
+    GPU bundle drops (specpatch.gpu_host.flashinfer_stage ships them, and modules compiled before).
     """
     import torch
 
@@ -36,7 +36,7 @@ def flashinfer_unavailable() -> Optional[str]:
         return str(exc)
     data = Path(flashinfer.__file__).parent / "data"
     if not (data / "cutlass").is_dir():
-        return "flashinfer has no JIT headers here (the GPU bundle drops them); specpatch.flashinfer_stage ships them"
+        return "flashinfer has no JIT headers here (the GPU bundle drops them); specpatch.gpu_host.flashinfer_stage ships them"
     return None
 
 
@@ -74,7 +74,7 @@ def pool_tokens(target_spec) -> int:
 
 def pool_tokens_for(target: Path) -> int:
     """pool_tokens of the synthetic target written at `target`."""
-    from specpatch import synth
+    from specpatch.testing import synth
 
     return pool_tokens(synth.TargetSpec(**synth.load_meta(target)["spec"]))
 

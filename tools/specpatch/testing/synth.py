@@ -9,12 +9,12 @@ The EAGLE draft predicts `successor[t]` from the current token alone, correct on
 fraction (`agreement`) of the vocabulary, so acceptance lengths are predictable.
 
 A target can also be written as a dense Qwen3 (`family="qwen3"`, the same weights plus unit q/k
-norms), which DP attention needs; `specpatch.synth_eagle3` pairs it with an EAGLE3 draft. Or as
+norms), which DP attention needs; `specpatch.testing.synth_eagle3` pairs it with an EAGLE3 draft. Or as
 a Qwen3-MoE (`family="qwen3_moe"`, MoeSpec): its experts are small like the dense MLP, and its
 router sends token t to the same experts in every layer, expert_table[t] in rank order, with a
 wide router-logit gap, so routed experts (--enable-return-routed-experts) are known in advance too.
 
-    python -m specpatch.synth --out DIR --preset toy --agreement 0.7 [--device cuda]
+    python -m specpatch.testing.synth --out DIR --preset toy --agreement 0.7 [--device cuda]
 """
 
 from __future__ import annotations
@@ -793,7 +793,7 @@ def reference_draft_logits(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m specpatch.synth", description=__doc__.split("\n\n")[0]
+        prog="python -m specpatch.testing.synth", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--out", required=True, help="writes OUT/target and OUT/draft")
     p.add_argument("--preset", default="toy", choices=sorted(PRESETS))
