@@ -209,39 +209,8 @@ def test_meta_and_accept_length(toy_target, toy_draft):
     assert synth.expected_chain_accept_length(0.5, 2) == pytest.approx(1.75)
 
 
-def test_bench_preset_is_at_least_1b_params():
-    spec = synth.PRESETS["bench"]
-    assert spec.num_params >= 1_000_000_000 and spec.num_layers >= 24
-    with torch.device(
-        "meta"
-    ):  # count against transformers' own Llama without allocating
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        model = LlamaForCausalLM(
-            LlamaConfig(
-                **{
-                    k: v
-                    for k, v in synth.llama_config(
-                        spec,
-                        architecture="LlamaForCausalLM",
-                        num_layers=spec.num_layers,
-                    ).items()
-                    if k not in ("architectures", "model_type", "dtype", "torch_dtype")
-                }
-            )
-        )
-    assert sum(p.numel() for p in model.parameters()) == spec.num_params
-
-
-def test_llama8b_preset_is_llama_3_8b_shaped_and_its_pool_fits_an_h100():
-    spec = synth.PRESETS["llama8b"]
-    assert (
-        spec.num_layers,
-        spec.hidden,
-        spec.intermediate,
-        spec.num_heads,
-        spec.num_kv_heads,
-    ) == (32, 4096, 14336, 32, 8)
+def transformers_llama_num_params(spec) -> int:
+    """Parameters of transformers' own Llama for `spec`, counted without allocating."""
     with torch.device("meta"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -258,9 +227,25 @@ def test_llama8b_preset_is_llama_3_8b_shaped_and_its_pool_fits_an_h100():
                 }
             )
         )
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_bench_preset_is_at_least_1b_params():
+    spec = synth.PRESETS["bench"]
+    assert spec.num_params >= 1_000_000_000 and spec.num_layers >= 24
+    assert transformers_llama_num_params(spec) == spec.num_params
+
+
+def test_llama8b_preset_is_llama_3_8b_shaped_and_its_pool_fits_an_h100():
+    spec = synth.PRESETS["llama8b"]
     assert (
-        sum(p.numel() for p in model.parameters()) == spec.num_params == 7_241_732_096
-    )
+        spec.num_layers,
+        spec.hidden,
+        spec.intermediate,
+        spec.num_heads,
+        spec.num_kv_heads,
+    ) == (32, 4096, 14336, 32, 8)
+    assert transformers_llama_num_params(spec) == spec.num_params == 7_241_732_096
     # K and V, bf16, 32 layers x 8 KV heads x head_dim 128
     assert spec.kv_bytes_per_token == 131072
     tokens = eng.pool_tokens(spec)
