@@ -652,9 +652,11 @@ def make_pair(
     family: str = "llama",
     moe: MoeSpec | None = None,
     num_layers: int | None = None,
+    make_draft=None,
 ) -> tuple[TargetInfo, DraftInfo]:
     """-> out_root/target and out_root/draft (the layout tests and benchmarks look for).
-    num_layers overrides the preset's."""
+    num_layers overrides the preset's; make_draft (make_eagle_draft by default) writes the
+    draft from the target's directory."""
     out_root = Path(out_root)
     spec = TargetSpec(**{**asdict(PRESETS[preset]), "seed": seed})
     if num_layers is not None:
@@ -662,7 +664,7 @@ def make_pair(
     target = make_target(
         out_root / "target", spec, device=device, family=family, moe=moe
     )
-    draft = make_eagle_draft(
+    draft = (make_draft or make_eagle_draft)(
         out_root / "draft",
         target.path,
         agreement=agreement,

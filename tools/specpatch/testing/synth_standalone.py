@@ -15,7 +15,7 @@ token of D. So the draft agrees on exactly 1 - |D| / vocab of the current tokens
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,17 +93,14 @@ def make_standalone_pair(
     device="cpu",
 ) -> tuple[synth.TargetInfo, StandaloneDraftInfo]:
     """-> out_root/target (the Llama target of specpatch.testing.synth) and out_root/draft."""
-    out_root = Path(out_root)
-    spec = synth.TargetSpec(**{**asdict(synth.PRESETS[preset]), "seed": seed})
-    target = synth.make_target(out_root / "target", spec, device=device)
-    draft = make_standalone_draft(
-        out_root / "draft",
-        target.path,
-        agreement=agreement,
-        seed=seed + 1,
+    return synth.make_pair(
+        out_root,
+        preset,
+        agreement,
+        seed=seed,
         device=device,
+        make_draft=make_standalone_draft,
     )
-    return target, draft
 
 
 def main(argv: list[str] | None = None) -> None:
