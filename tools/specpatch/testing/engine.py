@@ -342,7 +342,7 @@ def best_of(
 
     The warm-up is full length: engines in a benchmark start one after another, and a short one
     would leave triton's JIT compiles inside the first engine's timed runs, flattering the later
-    engines (seen: a canary mode measured 2.5x faster than no canary)."""
+    engines by more than the differences a benchmark compares."""
     generate(eng, prompts, max_new_tokens)
     return max(
         (generate(eng, prompts, max_new_tokens) for _ in range(repeats)),
