@@ -277,18 +277,11 @@ def test_tree_v2_on_flashinfer_is_token_identical_to_no_spec(
     )
 
 
-FA3_TREE_SHAPES = [
-    (eng.SpecConfig(4, 3, 8), True),
-    (eng.SpecConfig(16, 3, 64), True),
-    (eng.SpecConfig(16, 5, 64), False),
-]
-
-
 @FA3_SKIP
 @pytest.mark.parametrize(
     "spec,cuda_graph",
-    FA3_TREE_SHAPES,
-    ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in FA3_TREE_SHAPES],
+    TREE_SHAPES,
+    ids=[f"{s.label}-{'graph' if g else 'eager'}" for s, g in TREE_SHAPES],
 )
 def test_tree_v2_on_fa3_is_token_identical_to_no_spec(
     toy_pair, prompts, spec, cuda_graph, record_metric
