@@ -110,3 +110,20 @@ def qwen3_eagle3_pair(tmp_path_factory):
     if not (out / "draft" / synth.META).exists():
         synth_eagle3.make_eagle3_pair(out, "toy", 0.7, device="cuda")
     return out / "target", out / "draft"
+
+
+@pytest.fixture(scope="session")
+def step3p5_mtp_model(tmp_path_factory):
+    """A Step-3.5-shaped checkpoint: the bigram target and three MTP layers that agree with it
+    on ~90%, ~70% and ~50% of tokens, the draft of sglang's multi-layer EAGLE
+    (specpatch.testing.synth_mtp)."""
+    from specpatch.testing import synth, synth_mtp
+
+    cache = os.environ.get("SPECPATCH_MODEL_CACHE")
+    agreements = "-".join(str(a) for a in synth_mtp.MTP_AGREEMENTS)
+    out = (
+        Path(cache) if cache else tmp_path_factory.mktemp("models")
+    ) / f"step3p5-mtp-toy-a{agreements}"
+    if not (out / synth.META).exists():
+        synth_mtp.make_mtp_model(out, "toy", device="cuda")
+    return out

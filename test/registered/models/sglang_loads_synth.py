@@ -5,6 +5,7 @@ which is why this runs in its own process.
 
     SGLANG_USE_CPU_ENGINE=1 python sglang_loads_synth.py TARGET_DIR DRAFT_DIR
     SGLANG_USE_CPU_ENGINE=1 python sglang_loads_synth.py --qwen3-moe TARGET_DIR
+    SGLANG_USE_CPU_ENGINE=1 python sglang_loads_synth.py --step3p5-mtp MODEL_DIR
 """
 
 from __future__ import annotations
@@ -79,10 +80,16 @@ def expected_value(
 
 
 def mismatches(
-    model: torch.nn.Module, model_dir: Path, skip: tuple[str, ...] = ()
+    model: torch.nn.Module,
+    model_dir: Path,
+    skip: tuple[str, ...] = (),
+    expected: dict[str, torch.Tensor] | None = None,
 ) -> list[str]:
+    """`expected`: the tensors the model's parameters should hold, under its names where they
+    differ from the checkpoint's (default: the checkpoint's own)."""
     weights = synth.load_checkpoint(model_dir, dtype=torch.float32).weights
     model.load_weights(list(weights.items()))
+    weights = weights if expected is None else expected
     bad = []
     for name, param in model.named_parameters():
         if name in skip:
@@ -149,8 +156,57 @@ def main(target_dir: Path, draft_dir: Path) -> None:
     )
 
 
+def mtp_layer_as_loaded(
+    weights: dict[str, torch.Tensor], layer: int
+) -> dict[str, torch.Tensor]:
+    """Step-3.5-Flash's MTP layer `layer` under the names of sglang's Step3p5MTP, which holds
+    one layer: the block at model.mtp_block.*, fusion and head at model.*, the target's
+    embedding."""
+    prefix = f"model.layers.{layer}."
+    out = {"model.embed_tokens.weight": weights["model.embed_tokens.weight"]}
+    for name, weight in weights.items():
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix) :]
+        if rest.startswith("transformer.shared_head."):
+            head = rest.removeprefix("transformer.").replace(".output.", ".head.")
+            out[f"model.{head}"] = weight
+        elif rest.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
+            out[f"model.{rest}"] = weight
+        else:
+            out[f"model.mtp_block.{rest}"] = weight
+    return out
+
+
+def main_step3p5_mtp(model_dir: Path) -> None:
+    """The target (Step3p5ForCausalLM) and one Step3p5MTP per draft step (draft_model_idx k
+    loads checkpoint layer num_hidden_layers + k), from the one checkpoint."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    init_sglang_on_cpu(model_dir)
+    from sglang.srt.models.step3p5 import Step3p5ForCausalLM
+    from sglang.srt.models.step3p5_mtp import Step3p5MTP
+
+    target_config = ModelConfig(str(model_dir)).hf_config
+    target = Step3p5ForCausalLM(target_config).to(torch.float32)
+    report = {"target": mismatches(target, model_dir)}
+    draft_config = ModelConfig(str(model_dir), is_draft_model=True).hf_config
+    weights = synth.load_checkpoint(model_dir, dtype=torch.float32).weights
+    attention_layer_ids = []
+    for k in range(draft_config.num_nextn_predict_layers):
+        draft = Step3p5MTP(draft_config, draft_model_idx=k).to(torch.float32)
+        expected = mtp_layer_as_loaded(weights, draft_config.num_hidden_layers + k)
+        report[f"mtp{k}"] = mismatches(draft, model_dir, expected=expected)
+        attention_layer_ids.append(draft.model.mtp_block.self_attn.attn.layer_id)
+    # each step's KV pool holds one layer, id 0
+    report["mtp_attention_layer_ids"] = attention_layer_ids
+    print(json.dumps(report))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--qwen3-moe":
         main_qwen3_moe(Path(sys.argv[2]))
+    elif sys.argv[1] == "--step3p5-mtp":
+        main_step3p5_mtp(Path(sys.argv[2]))
     else:
         main(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -173,7 +173,7 @@ def llama_config(spec: TargetSpec, *, architecture: str, num_layers: int) -> dic
     }
 
 
-def _qwen3_config(spec: TargetSpec, *, num_layers: int) -> dict:
+def qwen3_config(spec: TargetSpec, *, num_layers: int) -> dict:
     """A dense Qwen3: Llama's shape plus per-head q/k RMSNorms. sglang's Qwen3 runs with DP
     attention (its attention is split by the attention-TP size); its Llama does not."""
     return {
@@ -189,7 +189,7 @@ def _qwen3_config(spec: TargetSpec, *, num_layers: int) -> dict:
 def _qwen3_moe_config(spec: TargetSpec, moe: MoeSpec, *, num_layers: int) -> dict:
     """A Qwen3-MoE whose every layer is sparse (decoder_sparse_step 1, no mlp_only_layers)."""
     return {
-        **_qwen3_config(spec, num_layers=num_layers),
+        **qwen3_config(spec, num_layers=num_layers),
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         "num_experts": moe.num_experts,
@@ -380,13 +380,31 @@ def make_target(
     family: str = "llama",
     moe: MoeSpec | None = None,
 ) -> TargetInfo:
+    ckpt, meta = target_checkpoint(spec, device=device, family=family, moe=moe)
+    save_model(Path(out_dir), ckpt.config, ckpt.weights, meta)
+    return TargetInfo(
+        Path(out_dir),
+        spec,
+        meta["num_params"],
+        meta["lm_head_scale"],
+        meta["min_embedding_margin"],
+    )
+
+
+def target_checkpoint(
+    spec: TargetSpec,
+    *,
+    device="cpu",
+    family: str = "llama",
+    moe: MoeSpec | None = None,
+) -> tuple[Checkpoint, dict]:
+    """The target make_target writes, and its meta, in memory."""
     if family not in TARGET_FAMILIES:
         raise ValueError(f"family must be one of {TARGET_FAMILIES}, got {family!r}")
     if (family == "qwen3_moe") != (moe is not None):
         raise ValueError(
             "a MoeSpec is for family='qwen3_moe' and that family needs one"
         )
-    out_dir = Path(out_dir)
     gen = torch.Generator(device=device).manual_seed(spec.seed)
     h = spec.hidden
     successor = torch.randperm(spec.vocab, generator=gen, device=device)  # [vocab]
@@ -457,13 +475,12 @@ def make_target(
     if family == "qwen3_moe":
         config = _qwen3_moe_config(spec, moe, num_layers=spec.num_layers)
     elif family == "qwen3":
-        config = _qwen3_config(spec, num_layers=spec.num_layers)
+        config = qwen3_config(spec, num_layers=spec.num_layers)
     else:
         config = llama_config(
             spec, architecture="LlamaForCausalLM", num_layers=spec.num_layers
         )
-    save_model(out_dir, config, weights, meta)
-    return TargetInfo(out_dir, spec, num_params, scale, min_margin)
+    return Checkpoint(config, weights), meta
 
 
 def _moe_layer_weights(
@@ -551,11 +568,31 @@ class TunedDraftMap:
 def tuned_draft_map(
     target_dir: Path, agreement: float, *, seed: int, device, tolerance: float
 ) -> TunedDraftMap:
-    assert 0.0 <= agreement <= 1.0
     spec = TargetSpec(**load_meta(target_dir)["spec"])
     target = load_checkpoint(target_dir, device=device, names=_EMBED_AND_HEAD)
-    embed = target.weights["model.embed_tokens.weight"]
-    lm_head = target.weights["lm_head.weight"]
+    return tuned_map_for(
+        spec,
+        target.weights["model.embed_tokens.weight"],
+        target.weights["lm_head.weight"],
+        agreement,
+        seed=seed,
+        device=device,
+        tolerance=tolerance,
+    )
+
+
+def tuned_map_for(
+    spec: TargetSpec,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    agreement: float,
+    *,
+    seed: int,
+    device,
+    tolerance: float,
+) -> TunedDraftMap:
+    """tuned_draft_map for a target given by its embed [vocab, h] and lm_head [vocab, h]."""
+    assert 0.0 <= agreement <= 1.0
     successor = successor_from_weights(embed, lm_head)
     gen = torch.Generator(device=device).manual_seed(seed)
     noise = torch.randn(
