@@ -9,7 +9,10 @@ through the canary's brackets exactly as the integration plan wires them:
     spec_round draft decode steps (one single forward each), target verify, acceptance (a tree
                compacts its accepted path with move_fingerprints), draft extend v2
     decode     plain target decode (no speculation)
-    finish     slots go back to the allocator (on_free), the row is released
+    finish     slots go back to the allocator (on_free), the row is released (on_row_free)
+    retract    ScheduleBatch.release_req: the row is released, a prefix of the request's KV stays
+               in the radix cache, the rest goes back to the allocator
+    readmit    the retracted request (same rid) is prefilled again on top of that prefix
 """
 
 from __future__ import annotations
@@ -87,10 +90,11 @@ class Batch:
 @dataclass
 class Req:
     rid: str
-    row: int
+    row: Optional[int]  # None while retracted
     tokens: list  # committed tokens; tokens[kv_len] is the bonus token not yet in KV
     kv_len: int
     owned: list = field(default_factory=list)  # slots this request allocated
+    rows_held: list = field(default_factory=list)  # every row it was given, in order
 
 
 def spec_server_args(
@@ -149,8 +153,15 @@ class SimEngine:
         self.free_rows = list(range(1, rows))  # row 0 takes padded rows
         self.slot_refs: dict[int, int] = {}  # slot -> live requests pointing at it
         self.reqs: dict[str, Req] = {}
+        # Retracted requests, oldest first, and the radix cache's hold on their KV prefix
+        self.retracted: dict[str, Req] = {}
+        self.cached: dict[str, list[int]] = {}  # rid -> slots of positions [0, len)
+        # sglang's ReqToTokenPool.free reports every row it takes back; with this off, a
+        # request back in a row it held before is checked against that stay's token record
+        self.report_row_frees = True
         self._next_rid = 0
-        # What the workload exercised: "borrowed", "moved", "freed", "row_reused", "rounds"
+        # What the workload exercised: "borrowed", "moved", "freed", "row_reused", "rounds",
+        # "retracted", "readmitted", "readmitted_in_old_row"
         self.counts: collections.Counter = collections.Counter()
         self._rows_seen: set[int] = set()
         self._slots_seen: set[int] = set()
@@ -216,54 +227,79 @@ class SimEngine:
     # ------------------------------------------------------------------ lifecycle
 
     def admit(
-        self, prompt_len: int, borrow_from: Optional[Req] = None, borrow_len: int = 0
+        self,
+        prompt_len: int,
+        borrow_from: Optional[Req] = None,
+        borrow_len: int = 0,
+        *,
+        row: Optional[int] = None,
     ) -> Req:
+        """A new request; `row` picks its req_to_token row (default: the free list's head)."""
         rid = f"req-{self._next_rid}"
         self._next_rid += 1
-        row = self.free_rows.pop(0)
-        self.counts["row_reused"] += row in self._rows_seen
-        self._rows_seen.add(row)
         tokens = [self._token() for _ in range(prompt_len)]
-        req = Req(rid, row, tokens, kv_len=0)
+        req = Req(rid, self._take_row(row), tokens, kv_len=0)
+        req.rows_held.append(req.row)
         if borrow_from is not None and borrow_len > 0:
             # The radix cache hands out another request's slots for a shared prefix (bigram
             # matching for EAGLE: the token after the prefix matches too).
             req.tokens[: borrow_len + 1] = borrow_from.tokens[: borrow_len + 1]
             shared = self.slots_of(borrow_from, 0, borrow_len)
-            self.r2t[row, :borrow_len] = self._t(shared, torch.int32)
+            self.r2t[req.row, :borrow_len] = self._t(shared, torch.int32)
             for s in shared:
                 self.slot_refs[s] += 1
             req.borrowed = shared
             req.alloc_len = borrow_len
             self.counts["borrowed"] += 1
         prefix = borrow_len if borrow_from is not None else 0
-        self._ensure_slots(req, prompt_len)
         self.reqs[rid] = req
-        bonus = self._token()
-        req.tokens.append(bonus)  # sampled by the target at position prompt_len
+        self._prefill(req, prefix, prompt_len)
+        return req
 
-        positions = list(range(prefix, prompt_len))
-        slots = self.slots_of(req, prefix, prompt_len)
+    def _take_row(self, row: Optional[int]) -> int:
+        if row is None:
+            row = self.free_rows.pop(0)
+        else:
+            self.free_rows.remove(row)
+        self.counts["row_reused"] += row in self._rows_seen
+        self._rows_seen.add(row)
+        return row
+
+    def _release_row(self, req: Req) -> None:
+        """ReqToTokenPool.free: the row goes to the back of the free list."""
+        if self.report_row_frees:
+            api.on_row_free(self.req_to_token_pool, req.row)
+        self.free_rows.append(req.row)
+        req.row = None
+
+    def _prefill(self, req: Req, prefix: int, fill_len: int) -> None:
+        """Target extend of positions [prefix, fill_len) (slots of [0, prefix) already in the
+        row), then the draft's extend of the same batch; the target samples tokens[fill_len].
+        """
+        self._ensure_slots(req, fill_len)
+        req.tokens.append(self._token())  # sampled by the target at position fill_len
+
+        positions = list(range(prefix, fill_len))
+        slots = self.slots_of(req, prefix, fill_len)
         batch = Batch(
             forward_mode=Mode.EXTEND,
             batch_size=1,
-            req_pool_indices=self._t([row]),
+            req_pool_indices=self._t([req.row]),
             positions=self._t(positions),
-            input_ids=self._t(req.tokens[prefix:prompt_len]),
+            input_ids=self._t(req.tokens[prefix:fill_len]),
             out_cache_loc=self._t(slots),
             token_to_kv_pool=self.target_pool,
-            extend_seq_lens=self._t([prompt_len - prefix], torch.int32),
-            rids=[rid],
+            extend_seq_lens=self._t([fill_len - prefix], torch.int32),
+            rids=[req.rid],
         )
         self.forward(self.target, batch)
         if self.eagle:
             # Draft extend after prefill: the same batch, ids shifted left, the bonus appended.
             draft_batch = Batch(**{**batch.__dict__})
-            draft_batch.input_ids = self._t(req.tokens[prefix + 1 : prompt_len + 1])
+            draft_batch.input_ids = self._t(req.tokens[prefix + 1 : fill_len + 1])
             draft_batch.token_to_kv_pool = self.draft_pool
             self.forward(self.draft, draft_batch, draft_extend=True)
-        req.kv_len = prompt_len
-        return req
+        req.kv_len = fill_len
 
     def forward(self, manager, batch: Batch, *, draft_extend: bool = False) -> None:
         if draft_extend:
@@ -429,8 +465,15 @@ class SimEngine:
             path.append(self.rng.choice(children))
 
     def finish(self, req: Req) -> None:
+        # The radix cache lets go of the request's cached prefix once it is done (evicted).
+        self._drop_refs(req.owned + getattr(req, "borrowed", []))
+        self._drop_refs(self.cached.pop(req.rid, []))
+        self._release_row(req)
+        del self.reqs[req.rid]
+
+    def _drop_refs(self, slots: list) -> None:
         freed = []
-        for s in req.owned + getattr(req, "borrowed", []):
+        for s in slots:
             self.slot_refs[s] -= 1
             if self.slot_refs[s] == 0:
                 del self.slot_refs[s]
@@ -439,14 +482,64 @@ class SimEngine:
             api.on_free(self.allocator, self._t(freed))
             self.allocator.free(freed)
             self.counts["freed"] += len(freed)
-        self.free_rows.append(req.row)
+
+    def retract(self, req: Req, keep: int) -> None:
+        """ScheduleBatch.release_req (sglang retracts without inserting into the radix cache):
+        positions [0, keep) stay cached, as an earlier cache_unfinished_req left them; every
+        other slot the request held goes back to the allocator, and so does its row. Its
+        committed tokens stay: a re-prefill recomputes [keep, kv_len + 1)."""
+        assert 0 <= keep <= req.kv_len
+        kept = self.slots_of(req, 0, keep)
+        for s in kept:
+            self.slot_refs[s] += 1
+        self._drop_refs(self.cached.get(req.rid, []))
+        self.cached[req.rid] = kept
+        self._drop_refs(req.owned + getattr(req, "borrowed", []))
+        req.owned, req.borrowed, req.alloc_len = [], [], 0
+        self._release_row(req)
         del self.reqs[req.rid]
+        self.retracted[req.rid] = req
+        self.counts["retracted"] += 1
+
+    def readmit(self, req: Req, *, row: Optional[int] = None) -> None:
+        """Prefill a retracted request again (same rid) on top of its cached prefix, which was
+        written in whatever rows it held before; the target samples one more token."""
+        del self.retracted[req.rid]
+        req.row = self._take_row(row)
+        self.counts["readmitted"] += 1
+        self.counts["readmitted_in_old_row"] += req.row in req.rows_held
+        req.rows_held.append(req.row)
+        cached = self.cached[req.rid]
+        self.r2t[req.row, : len(cached)] = self._t(cached, torch.int32)
+        for s in cached:
+            self.slot_refs[s] += 1
+        req.borrowed, req.alloc_len = list(cached), len(cached)
+        self.reqs[req.rid] = req
+        self._prefill(req, len(cached), req.kv_len + 1)
 
     # ------------------------------------------------------------------ a random workload
 
-    def run_random(self, rounds: int, *, max_live: int = 4, spec: bool = True) -> None:
-        for _ in range(rounds):
+    def run_random(
+        self,
+        rounds: int,
+        *,
+        max_live: int = 4,
+        spec: bool = True,
+        retract_every: Optional[int] = None,
+    ) -> None:
+        """retract_every: every that many rounds the newest live request is retracted (as
+        SGLANG_TEST_RETRACT does, from the back of the batch) with a random prefix kept
+        cached; retracted requests are readmitted first, oldest first, into the head of the
+        free row list."""
+        for round_index in range(rounds):
+            if self.retracted and self.free_rows:
+                self.readmit(next(iter(self.retracted.values())))
+                continue
             live = list(self.reqs.values())
+            if retract_every and live and round_index % retract_every == 0:
+                victim = live[-1]
+                self.retract(victim, self.rng.randint(0, victim.kv_len))
+                continue
             if len(live) < max_live and self.free_rows and self.rng.random() < 0.5:
                 donor = (
                     self.rng.choice(live) if live and self.rng.random() < 0.5 else None

@@ -26,6 +26,7 @@ from sglang.srt.kv_canary.manager import CanaryManager
 from sglang.srt.kv_canary.tables import (
     IDENTITY_CONTENT,
     IDENTITY_REQUEST,
+    record_of,
     shared_record,
 )
 
@@ -243,3 +244,12 @@ def on_free(allocator, slots: torch.Tensor) -> None:
     manager = _canary_of_allocator.get(allocator)
     if manager is not None:
         manager.note_freed(slots)
+
+
+def on_row_free(req_to_token_pool, row: int) -> None:
+    """In ReqToTokenPool.free: the request's ownership of `row` ends, so a request that gets
+    the row next (the same one too, back from retraction) reads its prefix as borrowed.
+    """
+    record = record_of(req_to_token_pool)
+    if record is not None:
+        record.note_row_released(row)

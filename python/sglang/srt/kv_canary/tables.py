@@ -11,6 +11,12 @@ Borrowed prefixes. With the prefix cache on, a new request starts with slots ano
 wrote. The row records when its current owner arrived (`row_own_from`, the prefix length of the
 owner's first extend): positions before it were borrowed, and the row has no token record for
 them, so they get a weaker check (the slot holds a live fingerprint written for that position).
+
+Ownership lasts from a row's allocation to its free, not as long as the rid: a retracted request
+comes back under the same rid, maybe into a row it held before, with a prefix the radix cache
+kept from stays in other rows. Its token record in this row is from the old stay, so the row
+must count as newly adopted (ReqToTokenPool.free reports the release: api.on_row_free). A
+chunked prefill keeps its row between chunks and stays the owner.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ IDENTITY_REQUEST = "request"  # fingerprint tag = the request's hash
 IDENTITY_CONTENT = (
     "content"  # tag 0: equal (position, token) is equal KV across requests
 )
+# row_owner of a row no request holds: released, or never allocated
+NO_OWNER = 0
 
 
 @dataclass
@@ -73,8 +81,8 @@ class RequestRecord:
         self.req_to_token = req_to_token
         # [rows] int64: tag mixed into fingerprints (request hash, or 0 for content identity)
         self.row_tag = torch.zeros(rows, dtype=torch.int64, device=device)
-        # [rows] int64: request hash of the row's current owner
-        self.row_owner = torch.zeros(rows, dtype=torch.int64, device=device)
+        # [rows] int64: request hash of the row's current owner, NO_OWNER once released
+        self.row_owner = torch.full((rows,), NO_OWNER, dtype=torch.int64, device=device)
         # [rows] int32: first position the owner wrote itself; earlier ones are borrowed
         self.row_own_from = torch.zeros(rows, dtype=torch.int32, device=device)
         # [rows, context_len + 1] int32: token id at each position (one extra column: a draft
@@ -86,6 +94,8 @@ class RequestRecord:
         # id(pool) -> (pool, group); the pool is held so its id cannot be reused
         self._group_of_pool: dict[int, tuple[object, FingerprintGroup]] = {}
         self._pending_frees: list[_PendingFree] = []
+        # rows ReqToTokenPool.free took back since the last bracket
+        self._released_rows: list[int] = []
 
     # ------------------------------------------------------------------ groups
 
@@ -170,8 +180,21 @@ class RequestRecord:
             ready.record()
         self._pending_frees.append(_PendingFree(private, ready))
 
+    def note_row_released(self, row: int) -> None:
+        """Remember a row the request pool took back; its ownership ends at the next bracket.
+
+        Host-side until then, so the owner reset lands on the forward stream before the stage
+        of the next extend that adopts the row, whichever request that is.
+        """
+        self._released_rows.append(int(row))
+
     def apply_pending_frees(self) -> None:
-        """Poison every slot freed since the last call, in every group: one launch per group."""
+        """End the ownership of every row released since the last call (one launch), and
+        poison every slot freed since then, in every group (one launch per group)."""
+        if self._released_rows:
+            rows = torch.tensor(self._released_rows, dtype=torch.int64)
+            self._released_rows = []
+            self.row_owner.index_fill_(0, rows.to(self.device), NO_OWNER)
         if not self._pending_frees:
             return
         pending, self._pending_frees = self._pending_frees, []
@@ -216,6 +239,11 @@ def move_fingerprints(
 _records: "weakref.WeakKeyDictionary[object, RequestRecord]" = (
     weakref.WeakKeyDictionary()
 )
+
+
+def record_of(req_to_token_pool: object) -> Optional[RequestRecord]:
+    """The RequestRecord of a req_to_token pool, or None when no canary runner uses it."""
+    return _records.get(req_to_token_pool)
 
 
 def shared_record(req_to_token_pool: object, identity: str) -> RequestRecord:
