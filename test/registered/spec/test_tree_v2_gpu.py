@@ -6,8 +6,6 @@ against the table), so "identical to the table" below is token identity with no-
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 
 from specpatch.testing import engine as eng
@@ -37,23 +35,8 @@ FLASHINFER_SKIP = pytest.mark.skipif(
 )
 
 
-def _fa3_unavailable() -> Optional[str]:
-    """Why FA3 cannot run here, or None."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA"
-    if torch.cuda.get_device_capability()[0] != 9:
-        return "sgl_kernel's FA3 images for this test host are sm_90 only"
-    try:
-        import sgl_kernel.flash_attn  # noqa: F401
-    except ImportError as exc:
-        return f"{exc} The GPU bundle leaves FA3 out; tools/specpatch/gpu_host/fa3_stage.py ships it in parts."
-    return None
-
-
 FA3_SKIP = pytest.mark.skipif(
-    _fa3_unavailable() is not None, reason=str(_fa3_unavailable())
+    eng.fa3_unavailable() is not None, reason=str(eng.fa3_unavailable())
 )
 # Trees run spec v2 on all three; flashinfer is sglang's default backend for topk > 1, fa3
 # Hopper's for topk 1 and the one users pick there.

@@ -40,6 +40,23 @@ def flashinfer_unavailable() -> Optional[str]:
     return None
 
 
+def fa3_unavailable() -> Optional[str]:
+    """Why FA3 cannot run here, or None: the GPU bundle leaves sgl_kernel's flash_ops out
+    (specpatch.gpu_host.fa3_stage ships it in parts), and what it ships runs on sm_90 only.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "sgl_kernel's FA3 images for this test host are sm_90 only"
+    try:
+        import sgl_kernel.flash_attn  # noqa: F401
+    except ImportError as exc:
+        return f"{exc} The GPU bundle leaves FA3 out; tools/specpatch/gpu_host/fa3_stage.py ships it in parts."
+    return None
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """One speculative configuration; None means no speculation."""
