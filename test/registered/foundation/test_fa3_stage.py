@@ -1,7 +1,12 @@
-"""specpatch.gpu_host.fa3_stage: FA3's library shipped to the GPU host in parts, sm90 images only."""
+"""specpatch.gpu_host.fa3_stage: FA3's library shipped to the GPU host in parts, sm90 images only,
+as one xz stream."""
 
 from __future__ import annotations
 
+import builtins
+import gzip
+import json
+import lzma
 import mmap
 import struct
 from pathlib import Path
@@ -155,16 +160,102 @@ def test_a_missing_or_damaged_part_is_an_error_not_a_library(library, tmp_path):
     assert not (store / fa3_stage.LIBRARY).exists()
 
 
-def test_the_installed_sgl_kernel_library_has_the_layout_the_packer_reads():
-    """The fat-binary layout is read from the real FA3 library (headers only, through mmap)."""
+def test_the_parts_are_one_xz_stream_of_the_trimmed_library(library, tmp_path):
+    manifest = fa3_stage.pack(library, tmp_path / "packed", part_bytes=48)
+    archive = b"".join(
+        (tmp_path / "packed" / name).read_bytes() for name in manifest["parts"]
+    )
+    expected, zeroed = fa3_stage.zero_other_archs(library.read_bytes(), keep_arch=90)
+
+    assert archive.startswith(b"\xfd7zXZ\x00") and lzma.decompress(archive) == expected
+    assert all(
+        (tmp_path / "packed" / name).stat().st_size <= 48 for name in manifest["parts"]
+    )
+    assert manifest["compression"] == f"xz -{fa3_stage.XZ_PRESET}"
+    assert (manifest["archive_bytes"], manifest["zeroed_bytes"]) == (
+        len(archive),
+        zeroed,
+    )
+    assert json.loads((tmp_path / "packed" / "manifest.json").read_text()) == manifest
+
+
+def test_an_archive_that_fits_one_part_arrives_in_one_call(library, tmp_path):
+    packed, store, site = tmp_path / "packed", tmp_path / "store", tmp_path / "site"
+    site.mkdir()
+    manifest = fa3_stage.pack(library, packed)
+
+    assert manifest["parts"] == ["part00"]
+    assert fa3_stage.receive(packed, store) == []
+    expected, _ = fa3_stage.zero_other_archs(library.read_bytes(), keep_arch=90)
+    assert fa3_stage.install(store, site).read_bytes() == bytes(expected)
+
+
+def test_a_host_python_without_lzma_unpacks_with_the_xz_program(
+    library, tmp_path, monkeypatch
+):
+    packed, store = tmp_path / "packed", tmp_path / "store"
+    fa3_stage.pack(library, packed)
+    fa3_stage.receive(packed, store)
+    real_import = builtins.__import__
+
+    def no_lzma(name, *args, **kwargs):
+        if name == "lzma":
+            raise ImportError("No module named '_lzma'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_lzma)
+    expected, _ = fa3_stage.zero_other_archs(library.read_bytes(), keep_arch=90)
+    assert fa3_stage.assemble(store).read_bytes() == bytes(expected)
+
+
+def test_parts_packed_by_the_gzip_stager_are_refused(library, tmp_path):
+    packed, store = tmp_path / "packed", tmp_path / "store"
+    fa3_stage.pack(library, packed)
+    fa3_stage.receive(packed, store)
+    manifest = json.loads((store / "manifest.json").read_text())
+    del manifest["compression"]  # what the gzip stager wrote
+    (store / "manifest.json").write_text(json.dumps(manifest))
+
+    with pytest.raises(SystemExit, match="older fa3_stage .gzip.; pack them again"):
+        fa3_stage.assemble(store)
+    assert not (store / fa3_stage.LIBRARY).exists()
+
+
+def _installed_library() -> Path:
     try:
         location = fa3_stage._sgl_kernel_dir() / fa3_stage.LIBRARY
     except SystemExit:
         pytest.skip("sgl_kernel is not installed in this environment")
     if not location.is_file():
         pytest.skip(f"{location} is absent from this sgl_kernel build")
+    return location
+
+
+def test_xz_keeps_under_half_of_what_gzip_keeps_of_the_real_sm90_cubins():
+    """Why the archive is xz: on a sample of the installed library's host images (every 40th,
+    about 4 MiB, so that the test stays fast) xz at the packer's preset keeps less than half of
+    what gzip -6 keeps."""
     with (
-        location.open("rb") as f,
+        _installed_library().open("rb") as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data,
+    ):
+        entries = fa3_stage.fatbin_entries(
+            data, *fa3_stage.elf_section(data, fa3_stage.FATBIN_SECTION)
+        )
+        sample = b""
+        for e in [e for e in entries if e.arch == fa3_stage.HOST_ARCH][::40]:
+            if len(sample) > 3 << 20:
+                break
+            sample += data[e.payload_offset : e.payload_offset + e.payload_size]
+    assert len(sample) > 3 << 20
+    xz = len(fa3_stage.xz_compress(sample))
+    assert xz < 0.5 * len(gzip.compress(sample, compresslevel=6))
+
+
+def test_the_installed_sgl_kernel_library_has_the_layout_the_packer_reads():
+    """The fat-binary layout is read from the real FA3 library (headers only, through mmap)."""
+    with (
+        _installed_library().open("rb") as f,
         mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data,
     ):
         offset, size = fa3_stage.elf_section(data, fa3_stage.FATBIN_SECTION)

@@ -276,9 +276,10 @@ def _dp_attention_args(**overrides):
     )
 
 
-def test_dp_attention_tree_runs_spec_v2(caplog):
-    # GPU: test_tree_v2_eagle3_gpu.py::test_tree_v2_with_dp_attention_and_an_idle_rank
-    server_args = _dp_attention_args()
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "fa3"])
+def test_dp_attention_tree_runs_spec_v2(caplog, backend):
+    # GPU: test_tree_v2_eagle3_gpu.py::test_tree_v2_with_dp_attention_and_an_idle_rank[backend]
+    server_args = _dp_attention_args(attention_backend=backend)
     with caplog.at_level(logging.WARNING):
         hook.handle_eagle_family(
             server_args, SimpleNamespace(), spec_v2_env_enabled=True

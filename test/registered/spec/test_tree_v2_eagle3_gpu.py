@@ -60,19 +60,29 @@ def test_eagle3_tree_v2_is_token_identical_to_no_spec(qwen3_eagle3_pair, record_
 FLASHINFER_SKIP = pytest.mark.skipif(
     eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable())
 )
+FA3_SKIP = pytest.mark.skipif(
+    eng.fa3_unavailable() is not None, reason=str(eng.fa3_unavailable())
+)
 
 
 @pytest.mark.skipif(
     _gpu_count() < 2, reason="--dp 2 --tp 2 needs two GPUs (the nvidia-h200-x2 kind)"
 )
 @pytest.mark.parametrize(
-    "backend", ["triton", pytest.param("flashinfer", marks=FLASHINFER_SKIP)]
+    "backend",
+    [
+        "triton",
+        pytest.param("flashinfer", marks=FLASHINFER_SKIP),
+        pytest.param("fa3", marks=FA3_SKIP),
+    ],
 )
 def test_tree_v2_with_dp_attention_and_an_idle_rank(
     qwen3_eagle3_pair, backend, record_metric
 ):
     """The hook puts DP-attention trees on spec v2; one request leaves the other rank idle, whose
-    padded IDLE batches reach the backend's metadata with an idle spec input (patches 0013, 0015).
+    draft, verify and draft extend (fa3's captured by patch 0017) replay their CUDA graphs on
+    padding rows with an idle spec input. Run eagerly, its padded IDLE batches reach the
+    backend's metadata instead (patches 0013, 0015, 0020; CPU-tested in test_*_idle_metadata).
     """
     target, draft = qwen3_eagle3_pair
     prompts = _prompts(target, 48)

@@ -1,10 +1,11 @@
 """Ship sgl_kernel's FlashAttention-3 library to the GPU host, in parts.
 
 The GPU bundle (../shared/gpu/stage.sh) leaves FA3 out: `sgl_kernel/flash_ops.abi3.so` is about
-1 GiB and one device call carries at most 64 MiB. The host is an H100, so only the library's
-sm90 cubins are ever loaded there. `pack` zeroes the payloads of the other architectures in
-place, keeping every header and size so that no offset in the ELF moves, gzips the result (the
-zeroed ranges compress to almost nothing) and splits it into parts that each fit one call:
+1 GiB and one device call carries at most 64 MiB. The host is an H100 or H200, so only the
+library's sm90 cubins are ever loaded there. `pack` zeroes the payloads of the other
+architectures in place, keeping every header and size so that no offset in the ELF moves,
+xz-compresses the result (the zeroed ranges compress to almost nothing) and splits it into parts
+that each fit one call alone (README.md, FA3 staging, says how many there are today):
 
     python -m specpatch.gpu_host.fa3_stage pack .fa3   # here: .fa3/part00 ... + manifest.json
     # one device call per part, carrying [".fa3/manifest.json", ".fa3/partNN"]:
@@ -19,23 +20,28 @@ missing or repeated part is an error, not a corrupt library.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import shutil
 import struct
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 LIBRARY = "flash_ops.abi3.so"
-ARCHIVE = LIBRARY + ".gz"
+ARCHIVE = LIBRARY + ".xz"
 FATBIN_SECTION = ".nv_fatbin"
 FATBIN_MAGIC = 0xBA55ED50
 # The GPU hosts are H100 / H200.
 HOST_ARCH = 90
 # One call carries 64 MiB with the working tree (a few MiB) and the manifest.
 PART_BYTES = 56 << 20
+
+# xz, not gzip: a cubin repeats instruction sequences much farther apart than gzip's 32 KiB
+# window. Presets above 6 add much time for little (README.md, FA3 staging).
+XZ_PRESET = 6
+COMPRESSION = f"xz -{XZ_PRESET}"
 
 _CHUNK = 64 << 20
 
@@ -125,6 +131,19 @@ def zero_other_archs(library: bytes, keep_arch: int) -> tuple[bytearray, int]:
     return out, zeroed
 
 
+def xz_compress(data: bytes | bytearray) -> bytes:
+    """One xz stream, fed in chunks so that no second copy of the library is made."""
+    import lzma
+
+    compressor = lzma.LZMACompressor(format=lzma.FORMAT_XZ, preset=XZ_PRESET)
+    view = memoryview(data)
+    pieces = [
+        compressor.compress(view[start : start + _CHUNK])
+        for start in range(0, len(view), _CHUNK)
+    ]
+    return b"".join(pieces) + compressor.flush()
+
+
 def pack(
     library: Path,
     out_dir: Path,
@@ -133,7 +152,7 @@ def pack(
 ) -> dict:
     """Write out_dir/partNN and out_dir/manifest.json; return the manifest."""
     trimmed, zeroed = zero_other_archs(library.read_bytes(), keep_arch)
-    archive = gzip.compress(bytes(trimmed), compresslevel=6, mtime=0)
+    archive = xz_compress(trimmed)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -148,6 +167,7 @@ def pack(
         "keep_arch": keep_arch,
         "library_bytes": len(trimmed),
         "zeroed_bytes": zeroed,
+        "compression": COMPRESSION,
         "archive_bytes": len(archive),
         "archive_sha256": hashlib.sha256(archive).hexdigest(),
         "parts": parts,
@@ -171,6 +191,10 @@ def receive(parts_dir: Path, store: Path) -> list[str]:
 def assemble(store: Path) -> Path:
     """Unpack the received parts into store/LIBRARY (once), after checking the archive's hash."""
     manifest = json.loads((store / "manifest.json").read_text())
+    if not manifest.get("compression", "gzip").startswith("xz"):
+        raise SystemExit(
+            "fa3_stage: these parts were packed by an older fa3_stage (gzip); pack them again"
+        )
     library = store / manifest["library"]
     if library.is_file() and library.stat().st_size == manifest["library_bytes"]:
         return library
@@ -188,9 +212,21 @@ def assemble(store: Path) -> Path:
         raise SystemExit(
             "fa3_stage: the received parts do not hash to the packed archive"
         )
-    with gzip.open(archive, "rb") as src, library.open("wb") as dst:
-        shutil.copyfileobj(src, dst, _CHUNK)
+    xz_decompress(archive, library)
     return library
+
+
+def xz_decompress(archive: Path, out: Path) -> None:
+    """Python's lzma, or the xz program where the interpreter was built without it (the GPU
+    host has xz: gpu-env.sh unpacks the bundle with tar -J)."""
+    try:
+        import lzma
+    except ImportError:
+        with out.open("wb") as dst:
+            subprocess.run(["xz", "-dc", str(archive)], stdout=dst, check=True)
+        return
+    with lzma.open(archive, "rb") as src, out.open("wb") as dst:
+        shutil.copyfileobj(src, dst, _CHUNK)
 
 
 def install(store: Path, sgl_kernel_dir: Path) -> Path:

@@ -41,7 +41,9 @@ def flashinfer_unavailable() -> Optional[str]:
 
 
 def fa3_unavailable() -> Optional[str]:
-    """Why FA3 cannot run here, or None."""
+    """Why FA3 cannot run here, or None: the GPU bundle leaves sgl_kernel's flash_ops out
+    (specpatch.gpu_host.fa3_stage ships it in parts), and what it ships runs on sm_90 only.
+    """
     import torch
 
     if not torch.cuda.is_available():
