@@ -1,4 +1,4 @@
-"""`specpatch` command line: build, status, manifest, tree, refresh-check."""
+"""`specpatch` command line: build, status, manifest, tree, refresh-check, origins."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import json
 import shutil
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 from specpatch import build as builder
+from specpatch import origins
 from specpatch import series as quilt_series
 from specpatch import upstream
 
@@ -106,6 +108,26 @@ def cmd_refresh_check(args: argparse.Namespace) -> int:
     return 1 if changed else 0
 
 
+def cmd_origins(args: argparse.Namespace) -> int:
+    layout = builder.Layout(REPO)
+    wheel_path = upstream.fetch_wheel(args.python_tag, layout.cache).path
+    with zipfile.ZipFile(wheel_path) as zf:
+        rewrites = origins.find_rewrites(
+            quilt_series.read_series(layout.patches),
+            lambda path: zf.read(path.removeprefix("python/")).decode(),
+        )
+    for r in rewrites:
+        print(f"{r.patch} rewrites a line of {r.origin} in {r.file}: {r.line!r}")
+    pairs = sorted({(r.patch, r.origin) for r in rewrites})
+    print(
+        f"origins: {len(rewrites)} line(s) rewritten, by "
+        + ", ".join(f"{p} of {o}" for p, o in pairs)
+        if rewrites
+        else "origins: no patch rewrites an earlier patch's lines"
+    )
+    return 1 if rewrites else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specpatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--python-tag", default="cp311")
     p.set_defaults(func=cmd_refresh_check)
+    p = sub.add_parser(
+        "origins", help="fail if a patch rewrites lines an earlier patch added"
+    )
+    p.add_argument("--python-tag", default="cp311")
+    p.set_defaults(func=cmd_origins)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
