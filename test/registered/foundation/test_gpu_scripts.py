@@ -208,3 +208,21 @@ def test_gpu_summary_without_a_report(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith(
         "gpu summary: no junit report"
     )
+
+
+def test_readme_demo_request_is_json_that_the_server_accepts():
+    """The demo's curl declares its JSON body (the server answers 400 otherwise); the GPU tier
+    sends this very line to a server (test_eagle_engine_gpu.py, the mission command test).
+    """
+    import json
+    import shlex
+
+    line = next(
+        ln.strip()
+        for ln in (REPO / "README.md").read_text().splitlines()
+        if ln.strip().startswith("curl localhost:30000/generate")
+    )
+    args = shlex.split(line)
+    assert args[args.index("-H") + 1] == "Content-Type: application/json"
+    body = json.loads(args[args.index("-d") + 1])
+    assert body["input_ids"] and body["sampling_params"]["max_new_tokens"] > 0

@@ -4,6 +4,12 @@ the Engine and through `python -m sglang.launch_server` over HTTP, the mission c
 
 from __future__ import annotations
 
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import requests
 
@@ -11,6 +17,8 @@ from specpatch.testing import engine as eng
 from specpatch.testing import synth
 
 pytestmark = pytest.mark.gpu
+
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 32, 128
 CHAIN = eng.SpecConfig(topk=1, num_steps=3, num_draft_tokens=4)
@@ -143,6 +151,17 @@ def test_http_server_with_eagle(toy_pair, prompts, spec, record_metric):
         record_metric("http_spec_accept_length_gauge", accept)
 
 
+def readme_curl(base: str) -> list[str]:
+    """The README's demo request ("Serving the demo pair"), sent to `base` instead of
+    localhost:30000."""
+    line = next(
+        ln.strip()
+        for ln in README.read_text().splitlines()
+        if ln.strip().startswith("curl localhost:30000/generate")
+    )
+    return shlex.split(line.replace("localhost:30000", base.removeprefix("http://")))
+
+
 @FLASHINFER_SKIP
 def test_mission_command_runs_spec_v2_trees_on_default_flags(
     toy_pair, prompts, record_metric
@@ -175,6 +194,20 @@ def test_mission_command_runs_spec_v2_trees_on_default_flags(
         record_metric("attention_backend", info["attention_backend"])
         batch = prompts[:8]
         outs = generate_over_http(base, batch, 64)
+        # The README's curl, as a newcomer pastes it (the server answers 400 without the
+        # JSON content type).
+        assert shutil.which(
+            "curl"
+        ), "the GPU host has no curl to run the README's request"
+        reply = subprocess.run(
+            readme_curl(base), capture_output=True, text=True, timeout=60
+        )
+    assert reply.returncode == 0, reply.stderr
+    readme_out = json.loads(reply.stdout)
+    assert (
+        readme_out["output_ids"]
+        == synth.table_continuations(target, [[1, 2, 3]], 16)[0]
+    ), reply.stdout
     assert [o["output_ids"] for o in outs] == synth.table_continuations(
         target, batch, 64
     )
