@@ -83,24 +83,13 @@ def mtp_engine_kwargs(model, spec, backend: str, cuda_graph: bool) -> dict:
     )
 
 
-def assert_identical(run, expected, label):
-    mismatched = {
-        i: eng.first_divergence(a, b)
-        for i, (a, b) in enumerate(zip(run.output_ids, expected))
-        if a != b
-    }
-    assert (
-        not mismatched
-    ), f"{label}: {len(mismatched)}/{len(expected)} requests diverge at {mismatched}"
-
-
 @pytest.mark.parametrize("backend", [FA3, "triton"])
 def test_mtp_target_no_spec_is_its_bigram_table(step3p5_mtp_model, prompts, backend):
     expected = synth.table_continuations(step3p5_mtp_model, prompts, MAX_NEW_TOKENS)
     kwargs = mtp_engine_kwargs(step3p5_mtp_model, None, backend, cuda_graph=True)
     with eng.engine(**kwargs) as e:
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
-    assert_identical(run, expected, "no spec")
+    eng.assert_identical(run, expected, "no spec")
 
 
 @pytest.mark.parametrize("backend,overlap,cuda_graph", CHAIN_CASES)
@@ -117,7 +106,7 @@ def test_mtp_chain_is_token_identical_to_no_spec(
         accept = {}
         for bs in BATCH_SIZES:
             run = eng.generate(e, prompts[:bs], MAX_NEW_TOKENS)
-            assert_identical(run, expected[:bs], f"bs {bs}")
+            eng.assert_identical(run, expected[:bs], f"bs {bs}")
             accept[bs] = round(run.accept_length, 3)
     meta = synth.load_meta(model)
     expected_accept = meta["expected_chain_accept_length"]

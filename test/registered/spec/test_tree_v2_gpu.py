@@ -53,17 +53,6 @@ def prompts(toy_pair):
     return eng.random_prompts(max(BATCH_SIZES), vocab, seed=3)
 
 
-def assert_identical(run, expected, label):
-    mismatched = {
-        i: eng.first_divergence(a, b)
-        for i, (a, b) in enumerate(zip(run.output_ids, expected))
-        if a != b
-    }
-    assert (
-        not mismatched
-    ), f"{label}: {len(mismatched)}/{len(expected)} requests diverge at {mismatched}"
-
-
 def check_identity_across_batch_sizes(
     toy_pair, prompts, spec, cuda_graph, record_metric, **engine_extra
 ):
@@ -80,7 +69,7 @@ def check_identity_across_batch_sizes(
         accept = {}
         for bs in BATCH_SIZES:
             run = eng.generate(e, prompts[:bs], MAX_NEW_TOKENS)
-            assert_identical(run, expected[:bs], f"bs {bs}")
+            eng.assert_identical(run, expected[:bs], f"bs {bs}")
             accept[bs] = round(run.accept_length, 3)
     record_metric("accept_length_by_bs", accept)
     # The tree holds the chain, so it accepts at least as much as the chain's expectation.
@@ -126,7 +115,7 @@ def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(
     with eng.engine(**kwargs) as e:
         assert e.server_args.disable_overlap_schedule is False
         run = eng.generate(e, many, 128)
-    assert_identical(run, expected, "retract stress")
+    eng.assert_identical(run, expected, "retract stress")
     log = capfd.readouterr()
     text = log.out + log.err
     retractions = text.count("KV cache pool is full. Retract requests.")
@@ -217,7 +206,7 @@ def test_tree_v2_tp2_is_token_identical(
     ) as e:
         assert e.server_args.disable_overlap_schedule is False, "fell back to spec v1"
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
-    assert_identical(run, expected, f"tp2 {backend} {spec.label}")
+    eng.assert_identical(run, expected, f"tp2 {backend} {spec.label}")
     record_metric("accept_length", round(run.accept_length, 3))
     assert run.accept_length > 1.5
 
@@ -235,7 +224,7 @@ def test_paged_tree_tp2_is_token_identical(toy_pair, prompts, record_metric):
     with eng.engine(**kwargs) as e:
         record_metric("spec_v2", e.server_args.disable_overlap_schedule is False)
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
-    assert_identical(run, expected, "tp2 page 16")
+    eng.assert_identical(run, expected, "tp2 page 16")
     record_metric("accept_length", round(run.accept_length, 3))
     assert run.accept_length > 1.5
 

@@ -372,3 +372,16 @@ def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def assert_identical(run, expected: list[list[int]], label: str) -> None:
+    """Every request of `run` produced exactly `expected`; the message names each diverging
+    request and the first token where it diverges."""
+    mismatched = {
+        i: first_divergence(a, b)
+        for i, (a, b) in enumerate(zip(run.output_ids, expected))
+        if a != b
+    }
+    assert (
+        not mismatched
+    ), f"{label}: {len(mismatched)}/{len(expected)} requests diverge at {mismatched}"

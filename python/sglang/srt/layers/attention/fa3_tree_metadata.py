@@ -107,6 +107,31 @@ def fill_tree_verify_expand(
     torch.cumsum(cache_seqlens[:num_rows], dim=0, out=cu_seqlens_k[1 : num_rows + 1])
 
 
+def _fill_prefix(
+    metadata,
+    set_prefix: Callable[..., None],
+    seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    strided_indices: torch.Tensor,
+    max_seq_pages: int,
+) -> None:
+    """The prefix half: every query row of a request sees its seq_len prefix slots (no length
+    delta, page size 1)."""
+    set_prefix(
+        metadata.cache_seqlens_int32,
+        metadata.cu_seqlens_k,
+        metadata.page_table,
+        req_to_token,
+        req_pool_indices,
+        strided_indices,
+        max_seq_pages,
+        seq_lens,
+        0,
+        1,
+    )
+
+
 def fill_tree_verify_metadata(
     metadata,
     metadata_expand,
@@ -126,17 +151,14 @@ def fill_tree_verify_metadata(
     set_prefix is flashattention_backend's normal_decode_set_metadata (one fused launch for
     cache_seqlens, cu_seqlens_k and the page-table gather), passed in to keep this module free
     of the backend's imports."""
-    set_prefix(
-        metadata.cache_seqlens_int32,
-        metadata.cu_seqlens_k,
-        metadata.page_table,
+    _fill_prefix(
+        metadata,
+        set_prefix,
+        seq_lens,
         req_to_token,
         req_pool_indices,
         strided_indices,
         max_seq_pages,
-        seq_lens,
-        0,
-        1,
     )
     fill_tree_verify_expand(
         custom_mask=custom_mask,
@@ -169,17 +191,14 @@ def fill_draft_decode_metadata(
 
     cache_loc: [bs * topk, num_steps] the KV slots of each branch's draft tokens; a branch
     attends to the first decode_length of them after the prefix."""
-    set_prefix(
-        metadata.cache_seqlens_int32,
-        metadata.cu_seqlens_k,
-        metadata.page_table,
+    _fill_prefix(
+        metadata,
+        set_prefix,
+        seq_lens,
         req_to_token,
         req_pool_indices,
         strided_indices,
         max_seq_pages,
-        seq_lens,
-        0,
-        1,
     )
     metadata_expand.page_table[: cache_loc.shape[0], :decode_length].copy_(
         cache_loc[:, :decode_length]
