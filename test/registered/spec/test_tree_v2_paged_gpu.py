@@ -1,4 +1,5 @@
-"""Spec v2 tree drafting with --page-size > 1 on triton (docs/paged-trees.md), on the GPU.
+"""Spec v2 tree drafting with --page-size > 1 on triton and flashinfer (docs/paged-trees.md), on
+the GPU.
 
 The synthetic target's greedy continuation is its bigram table, so "identical to the table" is
 token identity with no-spec (see test_tree_v2_gpu). Every test id starts with its attention
@@ -6,13 +7,19 @@ backend and names its page size, so -k selects by backend and page size; each of
 starts at most three engines (one per test):
     -k "paged_tree_v2 and triton and page4"      -k "paged_tree_v2 and triton and page16"
     -k "paged_tree_v2 and triton and page64"     -k "paged_retraction and triton"
-    -k "paged_radix and triton"
+    -k "paged_radix and triton"                  -k "paged_tree_v2 and flashinfer"
+    -k "paged_retraction and flashinfer"
+(one page size on flashinfer: -k "paged_tree_v2 and flashinfer and page16").
 """
 
 from __future__ import annotations
 
 import pytest
-from test_tree_v2_gpu import assert_identical, check_identity_across_batch_sizes
+from test_tree_v2_gpu import (
+    FLASHINFER_SKIP,
+    assert_identical,
+    check_identity_across_batch_sizes,
+)
 
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
@@ -21,9 +28,11 @@ pytestmark = pytest.mark.gpu
 
 MAX_NEW_TOKENS = 64
 
-# page size x (topk, steps, draft tokens) x CUDA graphs: every page size with topk 4, 8 and 16
-# among its three, each page size eager once; the prefixes of the random prompts (8..64 tokens)
-# end mid-page and at page boundaries, and 64 new tokens cross pages at every size.
+# backend x page size x (topk, steps, draft tokens) x CUDA graphs. triton: every page size with
+# topk 4, 8 and 16 among its three, each page size eager once. flashinfer plans pages of one
+# token, so it reads the flat layout as triton does: one shape per page size, the widest tree
+# graphed. The prefixes of the random prompts (8..64 tokens) end mid-page and at page
+# boundaries, and 64 new tokens cross pages at every size.
 PAGED_SHAPES = [
     ("triton", 4, eng.SpecConfig(4, 3, 8), True),
     ("triton", 4, eng.SpecConfig(8, 3, 16), False),
@@ -34,6 +43,9 @@ PAGED_SHAPES = [
     ("triton", 64, eng.SpecConfig(4, 5, 16), True),
     ("triton", 64, eng.SpecConfig(8, 3, 16), True),
     ("triton", 64, eng.SpecConfig(16, 3, 32), False),
+    ("flashinfer", 4, eng.SpecConfig(8, 3, 16), False),
+    ("flashinfer", 16, eng.SpecConfig(16, 3, 32), True),
+    ("flashinfer", 64, eng.SpecConfig(4, 3, 8), True),
 ]
 
 
@@ -44,6 +56,13 @@ def _shape_id(
     return f"{backend}-page{page_size}-{spec.label}-{mode}"
 
 
+def _backend_case(*values, case_id: str):
+    """One parameter set whose first value is its attention backend: flashinfer's cases skip
+    where its JIT kernels cannot run."""
+    marks = [FLASHINFER_SKIP] if values[0] == "flashinfer" else []
+    return pytest.param(*values, id=case_id, marks=marks)
+
+
 @pytest.fixture(scope="module")
 def prompts(toy_pair):
     vocab = synth.load_meta(toy_pair[0])["spec"]["vocab"]
@@ -52,8 +71,7 @@ def prompts(toy_pair):
 
 @pytest.mark.parametrize(
     "backend,page_size,spec,cuda_graph",
-    PAGED_SHAPES,
-    ids=[_shape_id(*shape) for shape in PAGED_SHAPES],
+    [_backend_case(*shape, case_id=_shape_id(*shape)) for shape in PAGED_SHAPES],
 )
 def test_paged_tree_v2_is_token_identical_to_no_spec(
     toy_pair, prompts, backend, page_size, spec, cuda_graph, record_metric
@@ -72,13 +90,16 @@ def test_paged_tree_v2_is_token_identical_to_no_spec(
 RETRACTION_CASES = [
     ("triton", eng.SpecConfig(4, 3, 8)),
     ("triton", eng.SpecConfig(16, 3, 32)),
+    ("flashinfer", eng.SpecConfig(4, 3, 8)),
 ]
 
 
 @pytest.mark.parametrize(
     "backend,spec",
-    RETRACTION_CASES,
-    ids=[f"{backend}-page16-{spec.label}" for backend, spec in RETRACTION_CASES],
+    [
+        _backend_case(backend, spec, case_id=f"{backend}-page16-{spec.label}")
+        for backend, spec in RETRACTION_CASES
+    ],
 )
 def test_paged_retraction_keeps_identity_and_leaks_nothing(
     toy_pair, capfd, record_metric, backend, spec

@@ -20,13 +20,13 @@ The decisions, in order:
    num_draft_tokens must fit in what the steps can produce, and in sgl_kernel's tree build.
 2. Which scheduler runs it: spec v2 (the overlap scheduler) or spec v1. Tree drafting runs on
    spec v2 only where its accepted-path compaction is implemented and tested: page_size == 1
-   or triton alone (docs/paged-trees.md), no recurrent (mamba / linear-attention) state, a
-   backend with spec-v2 tree metadata for every attention backend in play (the target's, and
-   the draft's when --speculative-draft-attention-backend is set), flashinfer only on a
-   non-MLA target, and not the multi-layer (MTP) worker, which drafts chains only. Anything
-   else runs spec v1 and says why in exactly one warning. A tree with pages that lands on
-   spec v1 with a backend other than flashinfer / fa3 is a ValueError: spec v1 gets those
-   wrong (upstream's refusal).
+   or only triton / flashinfer in play (docs/paged-trees.md), no recurrent (mamba /
+   linear-attention) state, a backend with spec-v2 tree metadata for every attention backend
+   in play (the target's, and the draft's when --speculative-draft-attention-backend is set),
+   flashinfer only on a non-MLA target, and not the multi-layer (MTP) worker, which drafts
+   chains only. Anything else runs spec v1 and says why in exactly one warning. A tree with
+   pages that lands on spec v1 with a backend other than flashinfer / fa3 is a ValueError:
+   spec v1 gets those wrong (upstream's refusal).
 3. Trees with DP attention need CUDA graphs, in either version (DP_ATTENTION_EAGER_TREE_ERROR);
    with them they run spec v2 on every backend in SPEC_V2_TREE_ATTENTION_BACKENDS.
 """
@@ -76,11 +76,11 @@ DP_ATTENTION_EAGER_TREE_ERROR = (
 PAGED_TREE_ATTENTION_BACKENDS = frozenset({"flashinfer", "fa3"})
 
 # Backends that run trees with page_size > 1 on spec v2 (docs/paged-trees.md): they read KV by
-# token slot, so the flat draft layout of page size 1 holds at every page size, and their
-# multi-step draft backend takes that layout (paged_tree_layout.draft_branch_page_size).
-# flashinfer reads by token slot too but has not run paged spec-v2 trees on a GPU; fa3 reads a
-# page table and needs each branch in its own pages.
-SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS = frozenset({"triton"})
+# token slot (triton; flashinfer plans pages of one token), so the flat draft layout of page size
+# 1 holds at every page size, and their multi-step draft backends take that layout
+# (paged_tree_layout.draft_branch_page_size). fa3 reads a page table and would need each branch
+# in its own pages.
+SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer"})
 
 # Config classes of targets whose layers keep recurrent state, which a tree verify would have
 # to roll back per branch (eagle_worker_v2's mamba update handles chains only).
