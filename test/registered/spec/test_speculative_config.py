@@ -101,7 +101,7 @@ def test_tree_falls_back_to_spec_v1_with_one_warning_naming_page_size(pair, capl
             speculative_num_steps=3,
             speculative_num_draft_tokens=8,
             page_size=16,
-            attention_backend="flashinfer",
+            attention_backend="fa3",
         )
     assert args.disable_overlap_schedule is True
     [message] = spec_warnings(caplog)
@@ -145,9 +145,29 @@ def test_inconsistent_tree_shapes_are_config_errors(pair, topk, steps, tokens, m
         )
 
 
-def test_tree_with_pages_on_a_backend_without_paged_trees_is_refused(pair):
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_tree_with_pages_runs_spec_v2_on_token_slot_backends(pair, caplog, backend):
+    with caplog.at_level(logging.WARNING):
+        args = server_args(
+            pair,
+            speculative_eagle_topk=4,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=8,
+            page_size=16,
+            attention_backend=backend,
+        )
+    assert args.disable_overlap_schedule is False
+    assert spec_warnings(caplog) == [
+        "Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=4)."
+    ]
+
+
+def test_tree_with_pages_on_triton_spec_v1_is_refused(pair):
+    """Spec v1's paged triton trees produce incorrect results (upstream's refusal)."""
     with pytest.raises(
-        ValueError, match=r"--page-size 16 produces incorrect results with the triton"
+        ValueError,
+        match=r"--page-size 16 runs spec v1 here \(the overlap scheduler is disabled\), "
+        r"which produces incorrect results with the triton attention backend",
     ):
         server_args(
             pair,
@@ -155,6 +175,7 @@ def test_tree_with_pages_on_a_backend_without_paged_trees_is_refused(pair):
             speculative_num_steps=3,
             speculative_num_draft_tokens=8,
             page_size=16,
+            disable_overlap_schedule=True,
         )
 
 
@@ -188,7 +209,19 @@ BASE = dict(
         ({"topk": 1, "page_size": 64, "attention_backends": {"fa3"}}, True, None),
         ({"overlap_disabled": True}, False, None),
         ({"spec_v2_env_enabled": False}, False, "SGLANG_ENABLE_SPEC_V2=False"),
-        ({"page_size": 64}, False, "--page-size 1, got 64"),
+        ({"page_size": 64}, True, None),
+        ({"page_size": 64, "attention_backends": {"flashinfer"}}, True, None),
+        ({"page_size": 16, "attention_backends": {"triton", "flashinfer"}}, True, None),
+        (
+            {"page_size": 16, "attention_backends": {"triton", "fa3"}},
+            False,
+            "--page-size 1, got 16 (with pages it runs on ['flashinfer', 'triton'] only, got fa3)",
+        ),
+        (
+            {"page_size": 16, "attention_backends": {"flashinfer"}, "mla_target": True},
+            False,
+            "a non-MLA target for the flashinfer attention backend",
+        ),
         (
             {
                 "recurrent_reason": "the target (Qwen3NextConfig) has mamba / linear-attention layers"
@@ -483,9 +516,11 @@ def test_server_args_decide_on_the_draft_backend_too(
 
 
 def test_paged_tree_with_a_triton_draft_backend_is_refused(pair):
+    """An fa3 target sends the paged tree to spec v1, where the triton draft is wrong."""
     with pytest.raises(
         ValueError,
-        match=r"--page-size 16 produces incorrect results with the triton attention backend",
+        match=r"--page-size 16 runs spec v1 here \(spec v2 tree drafting .* needs --page-size 1, "
+        r"got 16 .*\), which produces incorrect results with the triton attention backend",
     ):
         server_args(
             pair,
@@ -493,7 +528,7 @@ def test_paged_tree_with_a_triton_draft_backend_is_refused(pair):
             speculative_num_steps=3,
             speculative_num_draft_tokens=8,
             page_size=16,
-            attention_backend="flashinfer",
+            attention_backend="fa3",
             speculative_draft_attention_backend="triton",
         )
 

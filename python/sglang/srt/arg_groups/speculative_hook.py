@@ -19,12 +19,14 @@ The decisions, in order:
    (num_draft_tokens is num_steps + 1); topk > 1 drafts a tree whose node budget
    num_draft_tokens must fit in what the steps can produce, and in sgl_kernel's tree build.
 2. Which scheduler runs it: spec v2 (the overlap scheduler) or spec v1. Tree drafting runs on
-   spec v2 only where its accepted-path compaction is implemented and tested: page_size == 1,
-   no recurrent (mamba / linear-attention) state, a backend with spec-v2 tree metadata for every
-   attention backend in play (the target's, and the draft's when
-   --speculative-draft-attention-backend is set), flashinfer only on a non-MLA target, and not
-   the multi-layer (MTP) worker, which drafts chains only. Anything else runs spec v1 and says
-   why in exactly one warning.
+   spec v2 only where its accepted-path compaction is implemented and tested: page_size == 1
+   or only triton / flashinfer in play (docs/paged-trees.md), no recurrent (mamba /
+   linear-attention) state, a backend with spec-v2 tree metadata for every attention backend
+   in play (the target's, and the draft's when --speculative-draft-attention-backend is set),
+   flashinfer only on a non-MLA target, and not the multi-layer (MTP) worker, which drafts
+   chains only. Anything else runs spec v1 and says why in exactly one warning. A tree with
+   pages that lands on spec v1 with a backend other than flashinfer / fa3 is a ValueError:
+   spec v1 gets those wrong (upstream's refusal).
 3. Trees with DP attention need CUDA graphs, in either version (DP_ATTENTION_EAGER_TREE_ERROR);
    with them they run spec v2 on every backend in SPEC_V2_TREE_ATTENTION_BACKENDS.
 """
@@ -69,8 +71,16 @@ DP_ATTENTION_EAGER_TREE_ERROR = (
     "steps with DP attention crash at this base (spec v1 and v2); drop --disable-cuda-graph"
 )
 
-# Backends that have no tree (topk > 1) support at all with page_size > 1, in either version.
+# Backends whose spec v1 runs trees (topk > 1) with page_size > 1 correctly; spec v1 paged trees
+# on any other backend produce incorrect results (upstream's refusal, kept).
 PAGED_TREE_ATTENTION_BACKENDS = frozenset({"flashinfer", "fa3"})
+
+# Backends that run trees with page_size > 1 on spec v2 (docs/paged-trees.md): they read KV by
+# token slot (triton; flashinfer plans pages of one token), so the flat draft layout of page size
+# 1 holds at every page size, and their multi-step draft backends take that layout
+# (paged_tree_layout.draft_branch_page_size). fa3 reads a page table and would need each branch
+# in its own pages.
+SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer"})
 
 # Config classes of targets whose layers keep recurrent state, which a tree verify would have
 # to roll back per branch (eagle_worker_v2's mamba update handles chains only).
@@ -492,8 +502,17 @@ def choose_spec_version(
         return SpecVersion(True, None)
 
     prefix = f"spec v2 tree drafting (--speculative-eagle-topk {topk}) needs "
-    if page_size != 1:
-        return SpecVersion(False, prefix + f"--page-size 1, got {page_size}")
+    attention_backends = set(attention_backends)
+    if (
+        page_size != 1
+        and not attention_backends <= SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS
+    ):
+        return SpecVersion(
+            False,
+            prefix + f"--page-size 1, got {page_size} (with pages it runs on "
+            f"{sorted(SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS)} only, got "
+            f"{', '.join(sorted(attention_backends - SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS))})",
+        )
     if recurrent_reason is not None:
         return SpecVersion(
             False, prefix + f"a target without recurrent state; {recurrent_reason}"
@@ -503,7 +522,6 @@ def choose_spec_version(
             False,
             prefix + "the single-layer draft worker; multi-layer EAGLE drafts chains",
         )
-    attention_backends = set(attention_backends)
     unsupported = sorted(attention_backends - SPEC_V2_TREE_ATTENTION_BACKENDS)
     if unsupported:
         return SpecVersion(
@@ -525,6 +543,22 @@ def choose_spec_version(
             ),
         )
     return SpecVersion(True, None)
+
+
+def check_spec_v1_paged_tree(
+    topk: int, page_size: int, backends: set[str], version: SpecVersion
+) -> None:
+    """A tree with pages that runs spec v1 needs a backend whose v1 paged trees are right."""
+    wrong = sorted(backends - PAGED_TREE_ATTENTION_BACKENDS)
+    if page_size == 1 or not wrong:
+        return
+    why = version.spec_v1_reason or "the overlap scheduler is disabled"
+    raise ValueError(
+        f"--speculative-eagle-topk {topk} with --page-size {page_size} runs spec v1 here "
+        f"({why}), which produces incorrect results with the {', '.join(wrong)} attention "
+        f"backend; use one of {sorted(PAGED_TREE_ATTENTION_BACKENDS)}, --page-size 1, or spec "
+        f"v2 with only {sorted(SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS)}"
+    )
 
 
 def _attention_backends(server_args: ServerArgs) -> set[str]:
@@ -559,13 +593,6 @@ def handle_eagle_family(
         )
     else:
         check_tree_shape(topk, num_steps, server_args.speculative_num_draft_tokens)
-        if server_args.page_size > 1 and not backends <= PAGED_TREE_ATTENTION_BACKENDS:
-            raise ValueError(
-                f"--speculative-eagle-topk {topk} with --page-size {server_args.page_size} "
-                "produces incorrect results with the "
-                f"{', '.join(sorted(backends - PAGED_TREE_ATTENTION_BACKENDS))} attention backend; "
-                f"use one of {sorted(PAGED_TREE_ATTENTION_BACKENDS)} or --page-size 1"
-            )
         if server_args.enable_dp_attention and server_args.disable_cuda_graph:
             raise ValueError(DP_ATTENTION_EAGER_TREE_ERROR.format(topk=topk))
 
@@ -579,6 +606,8 @@ def handle_eagle_family(
         attention_backends=backends,
         mla_target=topk > 1 and server_args.use_mla_backend(),
     )
+    if topk > 1 and not version.use_spec_v2:
+        check_spec_v1_paged_tree(topk, server_args.page_size, backends, version)
     server_args.disable_overlap_schedule = not version.use_spec_v2
     if version.use_spec_v2:
         logger.warning(
