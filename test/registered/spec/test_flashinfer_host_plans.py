@@ -5,11 +5,13 @@ kernel builds, under triton's CPU interpreter (flashinfer_host_plan_cases.py).""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sglang.srt.layers.attention.flashinfer_host_plans import (
+    draft_decode_indptrs,
     fixed_width_indptrs,
     fixed_width_kv_lens,
 )
@@ -24,6 +26,7 @@ def test_indptrs_count_rows_kv_and_mask_bits(kv_lens, width):
     got = fixed_width_indptrs(lens, width)
     expect_kv, expect_bits, expect_bytes = [0], [0], [0]
     for n in kv_lens:
+        n = max(n, width)  # lifted, as fixed_width_kv_lens does on the device
         expect_kv.append(expect_kv[-1] + n)
         expect_bits.append(expect_bits[-1] + width * n)
         expect_bytes.append(expect_bytes[-1] + (width * n + 7) // 8)
@@ -63,3 +66,192 @@ NAMES = [
 interpreter_run, test_plan_under_interpreter = interpreter_suite(
     HERE / "flashinfer_host_plan_cases.py", NAMES, strict_numpy=False
 )
+
+
+def torch_fixed_width_indptrs(kv_lens_cpu, width):
+    """The index pointers as torch ops on the lifted lengths (the formulas before numpy)."""
+    kv_lens = kv_lens_cpu.clamp(min=width).to(torch.int64)
+    bits = width * kv_lens
+    zero = torch.zeros(1, dtype=torch.int64)
+    return (
+        torch.arange(0, (len(kv_lens) + 1) * width, width, dtype=torch.int32),
+        torch.cat([zero, kv_lens.cumsum(0)]).to(torch.int32),
+        torch.cat([zero, bits.cumsum(0)]).to(torch.int32),
+        torch.cat([zero, ((bits + 7) // 8).cumsum(0)]).to(torch.int32),
+        kv_lens.to(torch.int32),
+    )
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16, 48])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_indptrs_equal_the_torch_formulas(bs, dtype):
+    gen = torch.Generator().manual_seed(bs)
+    kv_lens = torch.randint(1, 700, (bs,), generator=gen).to(dtype)
+    kv_lens[0] = 3  # a CUDA-graph padding placeholder, below the width
+    got = fixed_width_indptrs(kv_lens, 32)
+    fields = (got.qo_indptr, got.kv_indptr, got.mask_indptr, got.packed_mask_indptr)
+    for field, expect in zip(
+        fields + (got.kv_lens,), torch_fixed_width_indptrs(kv_lens, 32)
+    ):
+        assert field.dtype == torch.int32 and torch.equal(field, expect)
+    assert got.max_kv_len == int(kv_lens.clamp(min=32).max())
+    assert isinstance(got.max_kv_len, int)
+
+
+def torch_draft_decode_indptrs(seq_lens_cpu, topk, num_steps):
+    branch_lens = seq_lens_cpu.to(torch.int64)[:, None].repeat(1, topk).view(-1)
+    prefix = torch.zeros(len(branch_lens) + 1, dtype=torch.int64)
+    torch.cumsum(branch_lens, 0, out=prefix[1:])
+    branch = torch.arange(len(branch_lens) + 1)
+    step = torch.arange(1, num_steps + 1)
+    return (prefix[None, :] + step[:, None] * branch[None, :]).to(torch.int32)
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16, 48])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_draft_decode_indptrs_equal_the_torch_formulas(bs, dtype):
+    gen = torch.Generator().manual_seed(bs)
+    seq_lens = torch.randint(1, 700, (bs,), generator=gen).to(dtype)
+    got = draft_decode_indptrs(seq_lens, 16, 3)
+    assert got.dtype == torch.int32 and got.shape == (3, bs * 16 + 1)
+    assert torch.equal(got, torch_draft_decode_indptrs(seq_lens, 16, 3))
+
+
+# FlashInfer's own plan against plan_paged_prefill, on a wrapper of the installed FlashInfer
+# living on the CPU: its pinned host buffer becomes a plain one and its compiled planner (a
+# CUDA library) a recorder of its arguments.
+
+
+class RecordingPlanner:
+    def __init__(self):
+        self.calls = []
+
+    def plan(self, *args):
+        self.calls.append(args)
+        return [len(self.calls), 7, 11]
+
+
+@pytest.fixture
+def cpu_flashinfer(monkeypatch):
+    import flashinfer.prefill as fi_prefill
+
+    planner = RecordingPlanner()
+    modules = []
+
+    def get_module(*args):
+        modules.append(args)
+        return planner
+
+    zeros = torch.zeros
+
+    def empty(*args, pin_memory=False, **kwargs):
+        return zeros(
+            *args, **kwargs
+        )  # zeros: two wrappers' unwritten buffers compare equal
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(fi_prefill, "get_batch_prefill_module", get_module)
+    return SimpleNamespace(planner=planner, modules=modules)
+
+
+def make_prefill_wrapper(backend, cuda_graph, bs, kv_slots):
+    from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+    graph_buffers = {}
+    if cuda_graph:  # as the verify's and draft extend's CUDA graphs allocate them
+        graph_buffers = dict(
+            qo_indptr_buf=torch.full((bs + 1,), -1, dtype=torch.int32),
+            paged_kv_indptr_buf=torch.full((bs + 1,), -1, dtype=torch.int32),
+            paged_kv_indices_buf=torch.full((kv_slots,), -1, dtype=torch.int32),
+            paged_kv_last_page_len_buf=torch.full((bs,), -1, dtype=torch.int32),
+            custom_mask_buf=torch.zeros(kv_slots * 8, dtype=torch.uint8),
+            mask_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32),
+        )
+    return BatchPrefillWithPagedKVCacheWrapper(
+        torch.zeros(4096, dtype=torch.uint8),
+        "NHD",
+        backend=backend,
+        use_cuda_graph=cuda_graph,
+        **graph_buffers,
+    )
+
+
+def assert_same_value(a, b, where):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.device == b.device, where
+        assert a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_value(x, y, f"{where}[{i}]")
+    else:
+        assert type(a) is type(b) and a == b, where
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("bs,width", [(1, 32), (4, 32), (16, 8), (48, 32)])
+def test_plan_paged_prefill_is_flashinfers_plan(
+    cpu_flashinfer, backend, cuda_graph, bs, width
+):
+    """The same wrapper fields, buffers and planner arguments as FlashInfer's plan, over
+    several plans of one wrapper (as replays of one CUDA graph), padding requests included.
+    """
+    from sglang.srt.layers.attention.flashinfer_host_plans import (
+        HeadConfig,
+        plan_paged_prefill,
+        plans_from_host_lengths,
+    )
+
+    heads = HeadConfig(32, 8, 128, torch.bfloat16, torch.float16)
+    kv_slots = bs * 800
+    theirs = make_prefill_wrapper(backend, cuda_graph, bs, kv_slots)
+    ours = make_prefill_wrapper(backend, cuda_graph, bs, kv_slots)
+    assert plans_from_host_lengths(ours)
+    gen = torch.Generator().manual_seed(bs + width)
+    for replay in range(3):
+        kv_lens_cpu = torch.randint(1, 700, (bs,), generator=gen)
+        if bs > 1:
+            kv_lens_cpu[-1] = 1  # a CUDA-graph padding placeholder
+        indptrs = fixed_width_indptrs(kv_lens_cpu, width)
+        num_slots = int(indptrs.kv_indptr[-1])
+        kv_indices = torch.randint(0, 10**6, (num_slots,), generator=gen).to(
+            torch.int32
+        )
+        theirs.plan(
+            indptrs.qo_indptr.clone(),
+            indptrs.kv_indptr.clone(),
+            kv_indices,
+            torch.ones(bs, dtype=torch.int32),
+            heads.num_qo_heads,
+            heads.num_kv_heads,
+            heads.head_dim,
+            1,
+            q_data_type=heads.q_data_type,
+            kv_data_type=heads.kv_data_type,
+            non_blocking=True,
+        )
+        plan_paged_prefill(ours, heads, indptrs, width, kv_indices)
+        their_args, our_args = cpu_flashinfer.planner.calls[-2:]
+        assert_same_value(their_args, our_args, f"planner args, replay {replay}")
+        for arg, wrapper in ((their_args, theirs), (our_args, ours)):
+            assert arg[0] is wrapper._float_workspace_buffer
+            assert arg[1] is wrapper._int_workspace_buffer
+            assert arg[2] is wrapper._pin_memory_int_workspace_buffer
+        assert cpu_flashinfer.modules[-1] == cpu_flashinfer.modules[-2]
+        assert sorted(vars(ours)) == sorted(vars(theirs))
+        for name, value in vars(theirs).items():
+            if name == "_plan_info":  # the recorder's answer counts its calls
+                continue
+            assert_same_value(value, getattr(ours, name), f"{name}, replay {replay}")
+    assert ours._plan_info == [6, 7, 11], "the planner's answer is the plan"
+
+
+def test_other_prefill_backends_keep_flashinfers_plan(cpu_flashinfer):
+    from sglang.srt.layers.attention.flashinfer_host_plans import (
+        plans_from_host_lengths,
+    )
+
+    assert not plans_from_host_lengths(make_prefill_wrapper("auto", False, 2, 64))
+    assert not plans_from_host_lengths(make_prefill_wrapper("cudnn", False, 2, 64))

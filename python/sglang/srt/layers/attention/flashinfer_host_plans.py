@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from sglang.srt.layers.attention.utils import create_flashinfer_kv_indices_triton
@@ -33,15 +34,19 @@ from sglang.srt.layers.attention.utils import create_flashinfer_kv_indices_trito
 
 @dataclass(frozen=True)
 class FixedWidthIndptrs:
-    """Host index pointers of a fixed-width forward, all [bs + 1] int32 on the CPU."""
+    """Host index pointers of a fixed-width forward, all int32 on the CPU."""
 
-    # request b's query rows: qo_indptr[b] .. qo_indptr[b + 1] - 1 (b * width ...)
+    # [bs + 1]: request b's query rows: qo_indptr[b] .. qo_indptr[b + 1] - 1 (b * width ...)
     qo_indptr: torch.Tensor
-    # request b's KV rows (prefix + width) in the KV slot list
+    # [bs + 1]: request b's KV rows (prefix + width) in the KV slot list
     kv_indptr: torch.Tensor
-    # request b's tree-mask bits (width x its KV rows), unpacked and packed 8 to a byte
+    # [bs + 1]: request b's tree-mask bits (width x its KV rows), unpacked and packed 8 to a
+    # byte
     mask_indptr: torch.Tensor
     packed_mask_indptr: torch.Tensor
+    # [bs]: request b's KV rows, and the longest of them
+    kv_lens: torch.Tensor
+    max_kv_len: int
 
 
 def fixed_width_kv_lens(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -52,18 +57,29 @@ def fixed_width_kv_lens(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def fixed_width_indptrs(kv_lens_cpu: torch.Tensor, width: int) -> FixedWidthIndptrs:
-    """Index pointers for `width` query rows per request over kv_lens_cpu [bs] KV rows."""
-    bs = kv_lens_cpu.shape[0]
-    kv_lens = kv_lens_cpu.to(torch.int64)
+    """Index pointers for `width` query rows per request over kv_lens_cpu [bs] KV rows, each
+    lifted to at least `width` (fixed_width_kv_lens).
+
+    They are planned between two CUDA-graph replays, on the host's critical path: numpy on
+    the host's copy of the lengths, a few microseconds where a dozen torch ops on small CPU
+    tensors cost tens each."""
+    kv_lens = np.maximum(kv_lens_cpu.numpy(), width).astype(np.int64)
+    bs = kv_lens.shape[0]
     mask_bits = width * kv_lens
-    zero = torch.zeros(1, dtype=torch.int64)
+    table = np.zeros((5, bs + 1), dtype=np.int64)
+    table[0] = np.arange(0, (bs + 1) * width, width)
+    np.cumsum(kv_lens, out=table[1, 1:])
+    np.cumsum(mask_bits, out=table[2, 1:])
+    np.cumsum((mask_bits + 7) // 8, out=table[3, 1:])
+    table[4, :bs] = kv_lens
+    rows = torch.from_numpy(table.astype(np.int32))
     return FixedWidthIndptrs(
-        qo_indptr=torch.arange(0, (bs + 1) * width, width, dtype=torch.int32),
-        kv_indptr=torch.cat([zero, kv_lens.cumsum(0)]).to(torch.int32),
-        mask_indptr=torch.cat([zero, mask_bits.cumsum(0)]).to(torch.int32),
-        packed_mask_indptr=torch.cat([zero, ((mask_bits + 7) // 8).cumsum(0)]).to(
-            torch.int32
-        ),
+        qo_indptr=rows[0],
+        kv_indptr=rows[1],
+        mask_indptr=rows[2],
+        packed_mask_indptr=rows[3],
+        kv_lens=rows[4, :bs],
+        max_kv_len=int(kv_lens.max()),
     )
 
 
@@ -141,6 +157,153 @@ class HeadConfig:
     kv_data_type: torch.dtype
 
 
+def plans_from_host_lengths(wrapper) -> bool:
+    """Whether plan_paged_prefill can stand in for `wrapper`'s own plan: FlashInfer's paged
+    prefill wrapper itself (not a subclass that plans otherwise), on a precompiled fa2 or fa3
+    backend; others (cudnn, trtllm-gen, JIT variants) take the wrapper's plan."""
+    from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+    return (
+        getattr(type(wrapper), "plan", None) is BatchPrefillWithPagedKVCacheWrapper.plan
+        and wrapper._backend in ("fa2", "fa3")
+        and wrapper._jit_module is None
+    )
+
+
+def plan_paged_prefill(
+    wrapper,
+    heads: HeadConfig,
+    indptrs: FixedWidthIndptrs,
+    width: int,
+    kv_indices: torch.Tensor,
+) -> None:
+    """What wrapper.plan(qo_indptr, kv_indptr, kv_indices, ones, heads..., page_size=1,
+    q_data_type, kv_data_type, non_blocking=True) does, with the host values it would derive
+    already known.
+
+    FlashInfer's plan re-derives each request's KV length from the index pointers (four torch
+    ops) and takes the longest query and KV lengths with Python's max over a tensor, one torch
+    comparison per request; here they are indptrs.kv_lens, `width` and indptrs.max_kv_len.
+    Everything else it does for these arguments (the wrapper's fields, the copies into a CUDA
+    graph's buffers, the compiled planner's arguments) is done the same way, in its order;
+    test_flashinfer_host_plans compares both on a wrapper of the installed FlashInfer. Wrappers
+    it does not cover (plans_from_host_lengths) are planned by their own plan."""
+    bs = indptrs.kv_lens.shape[0]
+    last_page_len = torch.ones(bs, dtype=torch.int32)  # one token a page
+    if not plans_from_host_lengths(wrapper):
+        wrapper.begin_forward(
+            indptrs.qo_indptr,
+            indptrs.kv_indptr,
+            kv_indices,
+            last_page_len,
+            heads.num_qo_heads,
+            heads.num_kv_heads,
+            heads.head_dim,
+            1,
+            q_data_type=heads.q_data_type,
+            kv_data_type=heads.kv_data_type,
+            non_blocking=True,
+        )
+        return
+    from flashinfer.prefill import get_batch_prefill_module
+
+    q_data_type, kv_data_type = heads.q_data_type, heads.kv_data_type
+    wrapper._batch_size = bs
+    wrapper._num_qo_heads = heads.num_qo_heads
+    wrapper._num_kv_heads = heads.num_kv_heads
+    wrapper._prefix_len_ptr = None
+    wrapper._token_pos_in_items_ptr = None
+    wrapper._token_pos_in_items_len = 0
+    wrapper._max_item_len_ptr = None
+    total_num_rows = bs * width
+    wrapper._qo_indptr_last = total_num_rows
+    wrapper._max_q_len = width
+    if bs > wrapper._kv_lens_buffer.shape[0]:
+        wrapper._kv_lens_buffer = torch.empty(
+            (bs,), dtype=torch.int32, device=wrapper.device
+        )
+    wrapper._kv_lens_buffer[:bs].copy_(indptrs.kv_lens, non_blocking=True)
+    wrapper._max_kv_len = indptrs.max_kv_len
+    if wrapper.is_cuda_graph_enabled:
+        if wrapper._max_total_num_rows is None:
+            wrapper._max_total_num_rows = total_num_rows
+        elif total_num_rows > wrapper._max_total_num_rows:
+            raise ValueError(
+                f"{total_num_rows} query rows exceed the CUDA graph's "
+                f"{wrapper._max_total_num_rows}"
+            )
+        if bs != wrapper._fixed_batch_size:
+            raise ValueError(
+                f"batch size {bs} is not the CUDA graph's {wrapper._fixed_batch_size}"
+            )
+        if len(kv_indices) > len(wrapper._paged_kv_indices_buf):
+            raise ValueError("the KV slot list exceeds the CUDA graph's buffer")
+        wrapper._qo_indptr_buf.copy_(indptrs.qo_indptr, non_blocking=True)
+        wrapper._paged_kv_indptr_buf.copy_(indptrs.kv_indptr, non_blocking=True)
+        wrapper._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=True)
+        wrapper._paged_kv_indices_buf[: len(kv_indices)].copy_(
+            kv_indices, non_blocking=kv_indices.device == wrapper.device
+        )
+    else:
+        device = wrapper.device
+        wrapper._qo_indptr_buf = indptrs.qo_indptr.to(device, non_blocking=True)
+        wrapper._paged_kv_indptr_buf = indptrs.kv_indptr.to(device, non_blocking=True)
+        wrapper._paged_kv_indices_buf = kv_indices.to(device, non_blocking=True)
+        wrapper._paged_kv_last_page_len_buf = last_page_len.to(
+            device, non_blocking=True
+        )
+        wrapper._custom_mask_buf = None
+        wrapper._mask_indptr_buf = None
+    wrapper._cached_q_data_type = q_data_type
+    wrapper._cached_kv_data_type = kv_data_type
+    wrapper._cached_o_data_type = q_data_type
+    wrapper._cached_module = get_batch_prefill_module(
+        wrapper._backend,
+        q_data_type,
+        kv_data_type,
+        q_data_type,  # output
+        indptrs.kv_indptr.dtype,
+        heads.head_dim,
+        heads.head_dim,
+        0,  # PosEncodingMode.NONE
+        False,  # sliding window
+        False,  # logits soft cap
+        False,  # fp16 qk reduction
+    )
+    wrapper._block_tables = None
+    args = [
+        wrapper._float_workspace_buffer,
+        wrapper._int_workspace_buffer,
+        wrapper._pin_memory_int_workspace_buffer,
+        indptrs.qo_indptr,
+        indptrs.kv_indptr,
+        indptrs.kv_lens,
+        wrapper._max_total_num_rows or total_num_rows,
+        bs,
+        heads.num_qo_heads,
+        heads.num_kv_heads,
+        1,  # page size
+        wrapper.is_cuda_graph_enabled,
+        heads.head_dim,
+        heads.head_dim,
+        False,  # causal (a draft extend's run asks for causal attention itself)
+        -1,  # window_left
+    ]
+    if wrapper._backend == "fa2":
+        args += [-1, False, 0]  # fixed split size, disable split-kv, colocated CTAs
+    wrapper._plan_info = wrapper._cached_module.plan(*args)
+    wrapper._causal = False
+    wrapper._pos_encoding_mode = "NONE"
+    wrapper._use_fp16_qk_reduction = False
+    wrapper._window_left = -1
+    wrapper._logits_soft_cap = 0.0
+    wrapper._sm_scale = None
+    wrapper._rope_scale = None
+    wrapper._rope_theta = None
+    wrapper._seq_lens_kv = None
+    wrapper._seq_lens_q = None
+
+
 def plan_fixed_width(
     wrapper,
     heads: HeadConfig,
@@ -159,8 +322,7 @@ def plan_fixed_width(
     same KV lengths, the query rows included. With custom_mask (a tree verify) attention
     follows the mask, else it is causal. kv_indices_buf: the CUDA graph's slot buffer, or None
     (eager)."""
-    bs = kv_lens.shape[0]
-    indptrs = fixed_width_indptrs(fixed_width_kv_lens(kv_lens_cpu, width), width)
+    indptrs = fixed_width_indptrs(kv_lens_cpu, width)
     kv_indices = build_kv_indices(
         req_to_token,
         req_pool_indices,
@@ -169,19 +331,7 @@ def plan_fixed_width(
         kv_indptr_buf,
         kv_indices_buf,
     )
-    wrapper.begin_forward(
-        indptrs.qo_indptr,
-        indptrs.kv_indptr,
-        kv_indices,
-        torch.ones(bs, dtype=torch.int32),  # last page length: one token a page
-        heads.num_qo_heads,
-        heads.num_kv_heads,
-        heads.head_dim,
-        1,
-        q_data_type=heads.q_data_type,
-        kv_data_type=heads.kv_data_type,
-        non_blocking=True,
-    )
+    plan_paged_prefill(wrapper, heads, indptrs, width, kv_indices)
     if custom_mask is None:
         return
     # Planned without the mask, which FlashInfer would pack after reading its size back from
@@ -215,14 +365,14 @@ def draft_decode_indptrs(
 
     These are the pointers sglang's generate_draft_decode_kv_indices writes on the device when
     its `positions` argument holds the branch lengths (draft_decode_branch_lens), and they
-    match the KV slot list that kernel lays out, CUDA-graph padding requests included.
+    match the KV slot list that kernel lays out, CUDA-graph padding requests included. Like
+    fixed_width_indptrs, computed with numpy on the host's lengths.
     """
-    branch_lens = draft_decode_branch_lens(seq_lens_cpu.to(torch.int64), topk)
+    branch_lens = np.repeat(seq_lens_cpu.numpy().astype(np.int64), topk)
     num_branches = branch_lens.shape[0]
-    prefix_indptr = torch.zeros(num_branches + 1, dtype=torch.int64)
-    torch.cumsum(branch_lens, 0, out=prefix_indptr[1:])
-    branch = torch.arange(num_branches + 1, dtype=torch.int64)
-    draft_tokens_read = torch.arange(1, num_steps + 1, dtype=torch.int64)
-    return (prefix_indptr[None, :] + draft_tokens_read[:, None] * branch[None, :]).to(
-        torch.int32
-    )
+    prefix_indptr = np.zeros(num_branches + 1, dtype=np.int64)
+    np.cumsum(branch_lens, out=prefix_indptr[1:])
+    branch = np.arange(num_branches + 1, dtype=np.int64)
+    draft_tokens_read = np.arange(1, num_steps + 1, dtype=np.int64)
+    indptrs = prefix_indptr[None, :] + draft_tokens_read[:, None] * branch[None, :]
+    return torch.from_numpy(indptrs.astype(np.int32))
