@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 src=.gpu-bundle out=.gpu-bundle-xz
 [ -f "$src/env.sh" ] || { echo "pack-gpu-bundle: run ../shared/gpu/stage.sh first" >&2; exit 2; }
-grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx "/$out/" "$exclude" 2>/dev/null || echo "/$out/" >> "$exclude"
 mkdir -p "$out"
 
 # Rewrite wheels with stored (uncompressed) members, so that xz sees the raw bytes.

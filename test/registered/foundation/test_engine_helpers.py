@@ -4,6 +4,7 @@ block, and clean-up after a failed engine start."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 
 import pytest
@@ -210,3 +211,26 @@ def test_a_failing_child_fails_the_test_instead_of_killing_pytest(capfd):
         tm_mod.kill_process_tree,
     ) == originals  # put back
     capfd.readouterr()
+
+
+def test_leak_check_ignores_test_names_and_catches_sglang_reports():
+    traceback = (
+        '  File "test_tree_v2_paged_gpu.py", line 119, in '
+        "test_paged_retraction_keeps_identity_and_leaks_nothing\n"
+    )
+    eng.assert_no_leak_reported(traceback)
+    report = "token_to_kv_pool_allocator memory leak detected! total=4096, available=4000"
+    with pytest.raises(AssertionError, match="memory leak detected"):
+        eng.assert_no_leak_reported(traceback + report)
+    with pytest.raises(AssertionError):
+        eng.assert_no_leak_reported("req_to_token_pool Memory Leak Detected!")
+
+
+def test_server_port_leaves_room_for_the_derived_grpc_port():
+    for seed in range(20):
+        port = eng.free_server_port(random.Random(seed))
+        assert 20000 <= port < 50000
+        # ServerArgs derives port + 10000 and refuses anything past 65535.
+        assert port + 10000 <= 65535
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # it was free when chosen, and nothing holds it

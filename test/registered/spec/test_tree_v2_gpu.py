@@ -122,9 +122,7 @@ def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(
     record_metric("retraction_events", retractions)
     record_metric("accept_length", round(run.accept_length, 3))
     assert retractions > 0, "the pool was large enough: the stress test did not retract"
-    assert "leak" not in text.lower(), [
-        line for line in text.splitlines() if "leak" in line.lower()
-    ]
+    eng.assert_no_leak_reported(text)
 
 
 # A cold GPU host spends most of this test's first run compiling triton kernels (~270 s); the

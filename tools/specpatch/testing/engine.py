@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import stat
@@ -254,15 +255,24 @@ def engine(**kwargs) -> Iterator[object]:
             eng.shutdown()
 
 
+def free_server_port(rng: random.Random | None = None, attempts: int = 200) -> int:
+    """A bindable `--port` whose derived ports are valid too: ServerArgs refuses a port above
+    55535 because it derives the gRPC port as port + 10000, and an ephemeral port often is."""
+    rng = rng or random.Random()
+    for _ in range(attempts):
+        port = rng.randrange(20000, 50000)
+        if _bindable(port):
+            return port
+    raise RuntimeError(f"no free server port found in {attempts} attempts")
+
+
 @contextlib.contextmanager
 def server(startup_s: float = 300, **kwargs) -> Iterator[str]:
     """`python -m sglang.launch_server` with engine_kwargs-style settings; yields its base URL
     once /health answers, and stops the whole process group afterwards."""
     import requests
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_server_port()
     cmd = [
         sys.executable,
         "-m",
@@ -297,7 +307,8 @@ def server(startup_s: float = 300, **kwargs) -> Iterator[str]:
             time.sleep(2)
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited already
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
 
 
@@ -385,3 +396,14 @@ def assert_identical(run, expected: list[list[int]], label: str) -> None:
     assert (
         not mismatched
     ), f"{label}: {len(mismatched)}/{len(expected)} requests diverge at {mismatched}"
+
+
+# What sglang's idle pool check (scheduler_runtime_checker_mixin) logs when a pool's pages do not
+# add up. A bare "leak" also matches tracebacks through tests named "..._leaks_nothing".
+LEAK_REPORT = re.compile(r"memory leak detected", re.IGNORECASE)
+
+
+def assert_no_leak_reported(log_text: str) -> None:
+    """sglang's leak check reported nothing in the captured engine output."""
+    reports = [line for line in log_text.splitlines() if LEAK_REPORT.search(line)]
+    assert not reports, reports

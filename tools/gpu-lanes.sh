@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU tier in parallel lanes on one GPU, on the GPU host, from the checkout root:
+#   bash tools/gpu-lanes.sh OUT_DIR "SELECTION 1" "SELECTION 2" ...
+# Each SELECTION is a pytest -k expression run by its own pytest process, writing
+# OUT_DIR/laneN/{selection,gpu-junit.xml,gpu-tests.log}, packed into OUT_DIR/lanes.tar.gz at the end. The synthetic test engines cap their KV
+# pool (specpatch.testing.engine.engine_kwargs), so several fit on one GPU at once; device time
+# is the scarce resource, so independent groups share it. Each lane generates its synthetic
+# models into its own cache, so no lane reads a checkpoint another is still writing. Keep
+# engines that bind fixed ports (the mission-command server test) in one lane. LANE_TIMEOUT_S
+# stops a lane that runs past it (its -v log still says which tests passed).
+set -uo pipefail
+out=${1:?usage: gpu-lanes.sh OUT_DIR SELECTION...}
+shift
+mkdir -p "$out"
+# Once, before the lanes: unpacking the bundle and installing staged modules are not concurrent-safe.
+source tools/gpu-env.sh || exit 1
+model_cache=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}
+pids=()
+lane=0
+for selection in "$@"; do
+  dir="$out/lane$lane"
+  mkdir -p "$dir"
+  echo "$selection" >"$dir/selection"
+  SPECPATCH_MODEL_CACHE="$model_cache/lane$lane" timeout "${LANE_TIMEOUT_S:-0}" python3 -m pytest test/registered -m gpu \
+    -p no:cacheprovider -v --junitxml "$dir/gpu-junit.xml" -k "$selection" \
+    >"$dir/gpu-tests.log" 2>&1 &
+  pids+=($!)
+  lane=$((lane + 1))
+done
+status=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || status=1
+done
+if [ -f .flashinfer/manifest.json ]; then
+  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage collect "$out"
+fi
+for dir in "$out"/lane*; do
+  echo "== $(cat "$dir/selection"): $(tail -n 1 "$dir/gpu-tests.log")"
+  grep -E "^(FAILED|ERROR) " "$dir/gpu-tests.log" | head -n 20
+done
+# One archive: the device tool brings back only a few files per call.
+tar -czf "$out/lanes.tar.gz" -C "$out" $(cd "$out" && ls -d lane*/) && rm -rf "$out"/lane*/
+exit $status
