@@ -219,7 +219,9 @@ def test_leak_check_ignores_test_names_and_catches_sglang_reports():
         "test_paged_retraction_keeps_identity_and_leaks_nothing\n"
     )
     eng.assert_no_leak_reported(traceback)
-    report = "token_to_kv_pool_allocator memory leak detected! total=4096, available=4000"
+    report = (
+        "token_to_kv_pool_allocator memory leak detected! total=4096, available=4000"
+    )
     with pytest.raises(AssertionError, match="memory leak detected"):
         eng.assert_no_leak_reported(traceback + report)
     with pytest.raises(AssertionError):

@@ -9,6 +9,7 @@ descriptor level) and set the canary's environment before the Engine starts.
 from __future__ import annotations
 
 import os
+import random
 import re
 from contextlib import contextmanager
 
@@ -194,6 +195,58 @@ def test_raise_mode_sees_no_violation_in_600_requests_with_retraction_for_standa
         line for line in text.splitlines() if VIOLATION in line
     ][:5]
     assert run.output_ids == expected
+
+
+def _prompts_sharing_their_first_tokens(
+    vocab: int, *, groups: int, per_group: int, seed: int
+) -> list[list[int]]:
+    """Groups of prompts that share their first 1, 2 or 3 tokens and nothing after."""
+    rng = random.Random(seed)
+    prompts = []
+    for g in range(groups):
+        head = [rng.randrange(vocab) for _ in range(1 + g % 3)]
+        prompts += [
+            head + [rng.randrange(vocab) for _ in range(rng.randint(8, 40))]
+            for _ in range(per_group)
+        ]
+    return prompts
+
+
+@pytest.mark.parametrize("algorithm", sorted(PAIR_FIXTURES))
+def test_raise_mode_sees_no_violation_when_prompts_share_their_first_tokens(
+    request, capfd, algorithm, record_metric
+):
+    """Prompts of one prefill that share a first token write position 0 each, and
+    cache_unfinished_req points all but one at the first one's slot. STANDALONE's draft KV at
+    p holds token p + 1 (EAGLE's draft extend), so with single-token radix keys the others'
+    draft read another prompt's second token there (patch 0024: bigram keys). A second wave
+    on the same heads is admitted on top of the cached prefixes."""
+    target, draft = request.getfixturevalue(PAIR_FIXTURES[algorithm])
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    first = _prompts_sharing_their_first_tokens(vocab, groups=9, per_group=4, seed=21)
+    # Each first-wave prompt's first half, then a token other than the one it had there.
+    second = [p[: len(p) // 2] + [(p[len(p) // 2] + 1) % vocab] for p in first]
+    waves = [first, second]
+    with canary_env(SGLANG_KV_CANARY="raise"):
+        kwargs = eng.engine_kwargs(
+            target,
+            draft,
+            eng.SpecConfig(4, 3, 8),
+            speculative_algorithm=algorithm,
+            log_level="info",
+        )
+        with eng.engine(**kwargs) as e:
+            runs = [eng.generate(e, wave, 32) for wave in waves]
+    text = "".join(capfd.readouterr())
+    record_metric("violations", text.count(VIOLATION))
+    assert VIOLATION not in text, [
+        line for line in text.splitlines() if VIOLATION in line
+    ][:5]
+    assert re.search(r"#cached-token: [1-9]", text), "no prefill reused a cached prefix"
+    for i, (run, wave) in enumerate(zip(runs, waves)):
+        eng.assert_identical(
+            run, synth.table_continuations(target, wave, 32), f"wave {i}"
+        )
 
 
 @pytest.mark.parametrize(
