@@ -257,7 +257,8 @@ def engine(**kwargs) -> Iterator[object]:
 
 def free_server_port(rng: random.Random | None = None, attempts: int = 200) -> int:
     """A bindable `--port` whose derived ports are valid too: ServerArgs refuses a port above
-    55535 because it derives the gRPC port as port + 10000, and an ephemeral port often is."""
+    55535 because it derives the gRPC port as port + 10000, and an ephemeral port often is.
+    """
     rng = rng or random.Random()
     for _ in range(attempts):
         port = rng.randrange(20000, 50000)
