@@ -219,7 +219,7 @@ def test_raise_mode_sees_no_violation_when_prompts_share_their_first_tokens(
     """Prompts of one prefill that share a first token write position 0 each, and
     cache_unfinished_req points all but one at the first one's slot. STANDALONE's draft KV at
     p holds token p + 1 (EAGLE's draft extend), so with single-token radix keys the others'
-    draft read another prompt's second token there (patch 0024: bigram keys). A second wave
+    draft read another prompt's second token there (prefix_cache_keys: bigram keys). A second wave
     on the same heads is admitted on top of the cached prefixes."""
     target, draft = request.getfixturevalue(PAIR_FIXTURES[algorithm])
     vocab = synth.load_meta(target)["spec"]["vocab"]

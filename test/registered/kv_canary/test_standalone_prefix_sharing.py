@@ -9,7 +9,7 @@ write position 0; cache_unfinished_req then finds the first one's position 0 in 
 points the second one's row at it, so the second request's draft reads the first one's second
 token at position 0. A request admitted on top of a cached prefix gets the same at the prefix's
 last position. The target KV is right both ways. The scheduler now keys STANDALONE's cache on
-bigrams, as EAGLE's (speculative/prefix_cache_keys.py, patch 0022).
+bigrams, as EAGLE's (speculative/prefix_cache_keys.py).
 
 sglang's own ReqToTokenPool, allocator and RadixCache run here; the forwards are canary_sim
 batches through the canary's brackets, as the v2 worker runs them.
@@ -293,7 +293,7 @@ class _CacheParamsSeen(Exception):
 
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3", "NGRAM"])
 def test_the_scheduler_builds_its_prefix_cache_with_these_keys(monkeypatch, algorithm):
-    """The call site of patch 0022: Scheduler.init_cache_with_memory_pool asks
+    """The patched call site: Scheduler.init_cache_with_memory_pool asks
     prefix_cache_uses_bigram_keys (upstream passed spec_algorithm.is_eagle())."""
     from sglang.srt.managers import scheduler as scheduler_module
 
