@@ -5,11 +5,15 @@ prefill and after decode.
 The worker and its draft-extend methods are sglang's own; the step runners are recording fakes
 with distinct pools and backends, and the batch is an idle (DP-attention padding) batch so the
 real ForwardBatch.init_new and EagleDraftInput code runs on the CPU.
+
+The spec v1 worker is set up by its own init_cuda_graphs with CUDA graphs on: it builds no
+draft-extend graphs (speculative/multi_layer_v1_draft_extend.py), so its draft extend after decode runs every step eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -178,11 +182,21 @@ def idle_schedule_batch() -> IdleScheduleBatch:
     )
 
 
-def make_v1_worker():
+class GraphlessBackend:
+    """A draft-extend backend that fails if anyone sizes CUDA graph state on it."""
+
+    def init_cuda_graph_state(self, *args, **kwargs):
+        raise AssertionError("spec v1 sized draft-extend CUDA graph state")
+
+
+def make_v1_worker(disable_cuda_graph: bool = False):
+    """The spec v1 worker as its __init__ leaves it, CUDA graphs on unless asked: its own
+    init_cuda_graphs decides which draft-extend graphs exist."""
     from sglang.srt.speculative.multi_layer_eagle_worker import MultiLayerEagleWorker
 
     seen: list = []
     worker = object.__new__(MultiLayerEagleWorker)
+    worker.server_args = SimpleNamespace(disable_cuda_graph=disable_cuda_graph)
     worker.speculative_num_steps = NUM_STEPS
     worker.topk = 1
     worker.device = "cpu"
@@ -190,8 +204,30 @@ def make_v1_worker():
     worker.model_runner_list = [
         RecordingStepRunner(step, seen) for step in range(NUM_STEPS)
     ]
-    worker.cuda_graph_runner_for_draft_extend_list = []
+    worker.draft_extend_attn_backend_list = [
+        GraphlessBackend() for _ in range(NUM_STEPS)
+    ]
+    worker.init_cuda_graphs()
     return worker, seen
+
+
+V1_EAGER_LOGGER = "sglang.srt.speculative.multi_layer_v1_draft_extend"
+
+
+@pytest.mark.parametrize("disable_cuda_graph", [False, True], ids=["graphs", "eager"])
+def test_v1_builds_no_draft_extend_graphs_and_says_why_once(disable_cuda_graph, caplog):
+    # Upstream built one v2-only runner per step here, never captured, whose first replay
+    # raised AttributeError ('no attribute buffers'); GPU: test_multi_layer_eagle_gpu.py
+    # [fa3-v1-graph].
+    from sglang.srt.speculative.multi_layer_v1_draft_extend import (
+        EAGER_DRAFT_EXTEND_MESSAGE,
+    )
+
+    with caplog.at_level(logging.WARNING, logger=V1_EAGER_LOGGER):
+        worker, _ = make_v1_worker(disable_cuda_graph)
+    assert worker.cuda_graph_runner_for_draft_extend_list == []
+    said = [r.getMessage() for r in caplog.records if r.name == V1_EAGER_LOGGER]
+    assert said == ([] if disable_cuda_graph else [EAGER_DRAFT_EXTEND_MESSAGE])
 
 
 def test_v1_draft_extend_after_prefill_binds_each_step():
@@ -205,7 +241,7 @@ def test_v1_draft_extend_after_prefill_binds_each_step():
     assert_each_step_used_its_own(seen)
 
 
-def test_v1_draft_extend_after_decode_eager_binds_each_step():
+def test_v1_draft_extend_after_decode_with_graphs_on_binds_each_step_eagerly():
     from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
 
     worker, seen = make_v1_worker()
