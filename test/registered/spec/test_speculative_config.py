@@ -291,6 +291,7 @@ def _hook_args(mla_target=False, **overrides):
                 decode_attention_backend=None,
                 prefill_attention_backend=None,
                 speculative_draft_attention_backend=None,
+                speculative_attention_mode="prefill",
                 disable_overlap_schedule=False,
                 enable_multi_layer_eagle=False,
                 enable_dp_attention=False,
@@ -870,3 +871,180 @@ def test_complete_eagle_shape_passes_server_args_to_auto_choose():
         args.speculative_num_steps,
         args.speculative_num_draft_tokens,
     ) == (1, 3, 4)
+
+
+# ----------------------------------------------------------------------------- sliding-window MTP
+
+
+def _step3p5_config(mtp_layer_type: str = "sliding_attention") -> SimpleNamespace:
+    """What mtp_sliding_window_reason reads of a Step-3.5 config: layer_types lists the MTP
+    layers after the num_hidden_layers decoder layers."""
+    return SimpleNamespace(
+        architectures=["Step3p5ForCausalLM"],
+        num_hidden_layers=45,
+        layer_types=["full_attention", "sliding_attention"] * 22
+        + ["full_attention"]
+        + [mtp_layer_type] * 3,
+    )
+
+
+@pytest.mark.parametrize(
+    "config,expected",
+    [
+        (_step3p5_config(), "layer_types[45:]"),
+        (_step3p5_config("full_attention"), None),
+        # MiMoV2's MTP block is sliding-window whatever its config lists
+        (SimpleNamespace(architectures=["MiMoV2ForCausalLM"]), "MiMoV2ForCausalLM"),
+        # layer_types covering the decoder layers only: nothing said about MTP layers
+        (
+            SimpleNamespace(
+                architectures=["X"],
+                num_hidden_layers=2,
+                layer_types=["sliding_attention"] * 2,
+            ),
+            None,
+        ),
+        (SimpleNamespace(), None),
+    ],
+    ids=["step3p5", "full-mtp", "mimo-v2", "decoder-only-types", "no-config"],
+)
+def test_mtp_sliding_window_reason(config, expected):
+    reason = hook.mtp_sliding_window_reason(config)
+    if expected is None:
+        assert reason is None
+    else:
+        assert expected in reason
+
+
+def _mtp_args(**overrides):
+    return _hook_args(
+        **{
+            "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": 4,
+            "enable_multi_layer_eagle": True,
+            **overrides,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            dict(),
+            r"spec v2's draft-extend CUDA graphs .* comes from --attention-backend",
+        ),
+        (
+            dict(disable_overlap_schedule=True),
+            r"spec v1's draft extend \(spec v1 runs because the overlap scheduler is "
+            r"disabled\)",
+        ),
+        (
+            dict(disable_overlap_schedule=True, disable_cuda_graph=True),
+            r"spec v1's draft extend",
+        ),
+        (
+            dict(attention_backend="fa3", speculative_draft_attention_backend="triton"),
+            r"comes from --speculative-draft-attention-backend triton\)\. Use "
+            r"--speculative-draft-attention-backend fa3",
+        ),
+        (
+            dict(attention_backend="fa3", prefill_attention_backend="triton"),
+            r"comes from --prefill-attention-backend triton",
+        ),
+    ],
+    ids=["v2-graphs", "v1-graphs", "v1-eager", "draft-backend", "prefill-backend"],
+)
+def test_triton_draft_extend_of_a_sliding_window_mtp_draft_is_refused(overrides, match):
+    # GPU, spec v2 with CUDA graphs: triton failed to compile its extend kernel, whose
+    # sliding-window KV indices were None, while capturing the draft-extend graph.
+    with pytest.raises(ValueError, match=match):
+        hook.handle_eagle_family(
+            _mtp_args(**overrides), _step3p5_config(), spec_v2_env_enabled=True
+        )
+
+
+@pytest.mark.parametrize(
+    "overrides,config",
+    [
+        # spec v2's eager draft extend is planned as a plain extend, which builds the window
+        # (GPU: test_multi_layer_eagle_gpu.py [triton-v2-eager])
+        (dict(disable_cuda_graph=True), _step3p5_config()),
+        (dict(attention_backend="fa3"), _step3p5_config()),
+        # the triton target keeps its graphs; the draft extends on fa3
+        (dict(speculative_draft_attention_backend="fa3"), _step3p5_config()),
+        # speculative_attention_mode decode: the draft extend runs the decode backend
+        (
+            dict(
+                prefill_attention_backend="triton",
+                decode_attention_backend="fa3",
+                speculative_attention_mode="decode",
+            ),
+            _step3p5_config(),
+        ),
+        (dict(), _step3p5_config("full_attention")),
+        (dict(enable_multi_layer_eagle=False), _step3p5_config()),
+    ],
+    ids=[
+        "v2-eager",
+        "fa3",
+        "draft-fa3",
+        "decode-mode-fa3",
+        "full-attention-mtp",
+        "single-layer-draft",
+    ],
+)
+def test_sliding_window_mtp_draft_extend_runs_where_it_can(overrides, config):
+    server_args = _mtp_args(**overrides)
+    hook.handle_eagle_family(server_args, config, spec_v2_env_enabled=True)
+    assert server_args.disable_overlap_schedule is False
+
+
+@pytest.fixture(scope="module")
+def step3p5_config_dir(tmp_path_factory):
+    """The synthetic Step-3.5 MTP checkpoint's config.json alone: ServerArgs reads no weights."""
+    import json
+    from dataclasses import replace
+
+    from specpatch.testing import synth_mtp
+
+    spec = replace(synth.PRESETS["toy"], num_layers=synth_mtp.NUM_TARGET_LAYERS)
+    root = tmp_path_factory.mktemp("step3p5")
+    (root / "config.json").write_text(json.dumps(synth_mtp.step3p5_config(spec, 3)))
+    return root
+
+
+def step3p5_server_args(model_dir, **flags):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path=str(model_dir),
+        speculative_algorithm="EAGLE",
+        speculative_eagle_topk=1,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=4,
+        skip_tokenizer_init=True,
+        device="cuda",
+        **flags,
+    )
+
+
+def test_server_args_refuse_the_triton_graph_case_of_the_mtp_gpu_test(
+    step3p5_config_dir,
+):
+    with pytest.raises(ValueError, match=r"spec v2's draft-extend CUDA graphs"):
+        step3p5_server_args(step3p5_config_dir, attention_backend="triton")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(attention_backend="triton", disable_cuda_graph=True),
+        dict(attention_backend="fa3"),
+        dict(attention_backend="fa3", disable_overlap_schedule=True),
+    ],
+    ids=["triton-v2-eager", "fa3-v2-graph", "fa3-v1-graph"],
+)
+def test_server_args_accept_the_mtp_gpu_test_cases(step3p5_config_dir, flags):
+    args = step3p5_server_args(step3p5_config_dir, **flags)
+    assert args.enable_multi_layer_eagle

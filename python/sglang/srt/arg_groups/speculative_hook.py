@@ -29,6 +29,9 @@ The decisions, in order:
    spec v1 gets those wrong (upstream's refusal).
 3. Trees with DP attention need CUDA graphs, in either version (DP_ATTENTION_EAGER_TREE_ERROR);
    with them they run spec v2 on every backend in SPEC_V2_TREE_ATTENTION_BACKENDS.
+4. A multi-layer EAGLE draft whose MTP layers attend in a sliding window (Step-3.5, MiMo-V2)
+   cannot draft-extend on the triton backend except eagerly on spec v2
+   (check_sliding_window_draft_extend): a ValueError naming the flags otherwise.
 """
 
 from __future__ import annotations
@@ -70,6 +73,24 @@ DP_ATTENTION_EAGER_TREE_ERROR = (
     "--speculative-eagle-topk {topk} with --enable-dp-attention needs CUDA graphs: eager tree "
     "steps with DP attention crash at this base (spec v1 and v2); drop --disable-cuda-graph"
 )
+
+# sglang's triton backend builds sliding-window KV indices for decode, target verify and plain
+# extend, but not for draft extend: not in its DRAFT_EXTEND metadata (spec v1, eager) nor in its
+# draft-extend CUDA graph capture and replay (spec v2). A sliding-window draft layer then hands
+# the extend kernel None for its KV indices, which triton fails to compile (seen on an H100 with
+# the synthetic Step-3.5 MTP checkpoint, spec v2 with CUDA graphs). Spec v2's eager draft extend
+# is planned as a plain extend, which builds them.
+TRITON_SLIDING_WINDOW_DRAFT_EXTEND_ERROR = (
+    "multi-layer EAGLE cannot run {where} on the triton attention backend: {why}, and sglang's "
+    "triton backend builds no sliding-window KV indices for draft extend there (the draft "
+    "extend's backend comes from {flag} triton). Use {flag} fa3 (sglang's choice on Hopper), "
+    "or spec v2 without CUDA graphs (--disable-cuda-graph, overlap scheduler on)"
+)
+
+# Multi-layer EAGLE targets whose MTP layers attend in a sliding window whatever their config's
+# layer_types say: MiMoV2's MTP block (models/mimo_v2_nextn.py) always passes its config's
+# sliding_window_size to its attention.
+SLIDING_WINDOW_MTP_ARCHITECTURES = frozenset({"MiMoV2ForCausalLM"})
 
 # Backends whose spec v1 runs trees (topk > 1) with page_size > 1 correctly; spec v1 paged trees
 # on any other backend produce incorrect results (upstream's refusal, kept).
@@ -561,6 +582,76 @@ def check_spec_v1_paged_tree(
     )
 
 
+def mtp_sliding_window_reason(hf_config) -> Optional[str]:
+    """Why the target checkpoint's MTP layers, the multi-layer EAGLE draft, attend in a sliding
+    window, or None. Step-3.5 lists them in layer_types after the num_hidden_layers decoder
+    layers (its config has 48 entries for 45 layers)."""
+    architectures = sorted(
+        set(getattr(hf_config, "architectures", None) or ())
+        & SLIDING_WINDOW_MTP_ARCHITECTURES
+    )
+    if architectures:
+        return f"{architectures[0]}'s MTP layers attend in a sliding window"
+    num_hidden_layers = getattr(hf_config, "num_hidden_layers", None)
+    layer_types = list(getattr(hf_config, "layer_types", None) or ())
+    if num_hidden_layers is None or len(layer_types) <= num_hidden_layers:
+        return None
+    if "sliding_attention" in layer_types[num_hidden_layers:]:
+        return (
+            f"the draft's MTP layers are sliding-window "
+            f"(layer_types[{num_hidden_layers}:] of the target's config)"
+        )
+    return None
+
+
+def draft_extend_backend_flag(server_args: ServerArgs) -> tuple[str, Optional[str]]:
+    """The flag that picks the draft extend's attention backend, and the backend, as
+    DraftBackendFactory.create_draft_extend_backend resolves them."""
+    if server_args.speculative_draft_attention_backend:
+        return (
+            "--speculative-draft-attention-backend",
+            server_args.speculative_draft_attention_backend,
+        )
+    if server_args.speculative_attention_mode == "decode":
+        mode_flag, mode_backend = (
+            "--decode-attention-backend",
+            server_args.decode_attention_backend,
+        )
+    else:
+        mode_flag, mode_backend = (
+            "--prefill-attention-backend",
+            server_args.prefill_attention_backend,
+        )
+    if mode_backend:
+        return mode_flag, mode_backend
+    return "--attention-backend", server_args.attention_backend
+
+
+def check_sliding_window_draft_extend(
+    server_args: ServerArgs, hf_config, version: SpecVersion
+) -> None:
+    """A sliding-window multi-layer EAGLE draft draft-extends on triton only eagerly on spec v2
+    (TRITON_SLIDING_WINDOW_DRAFT_EXTEND_ERROR says why)."""
+    if not server_args.enable_multi_layer_eagle:
+        return
+    flag, backend = draft_extend_backend_flag(server_args)
+    if backend != "triton":
+        return
+    if version.use_spec_v2 and server_args.disable_cuda_graph:
+        return
+    why = mtp_sliding_window_reason(hf_config)
+    if why is None:
+        return
+    if version.use_spec_v2:
+        where = "spec v2's draft-extend CUDA graphs"
+    else:
+        v1_reason = version.spec_v1_reason or "the overlap scheduler is disabled"
+        where = f"spec v1's draft extend (spec v1 runs because {v1_reason})"
+    raise ValueError(
+        TRITON_SLIDING_WINDOW_DRAFT_EXTEND_ERROR.format(where=where, why=why, flag=flag)
+    )
+
+
 def _attention_backends(server_args: ServerArgs) -> set[str]:
     """The target's backends, and the draft worker's (draft decode and draft extend) when set."""
     backend = server_args.attention_backend
@@ -608,6 +699,7 @@ def handle_eagle_family(
     )
     if topk > 1 and not version.use_spec_v2:
         check_spec_v1_paged_tree(topk, server_args.page_size, backends, version)
+    check_sliding_window_draft_extend(server_args, hf_config, version)
     server_args.disable_overlap_schedule = not version.use_spec_v2
     if version.use_spec_v2:
         logger.warning(
