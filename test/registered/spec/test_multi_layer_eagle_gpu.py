@@ -11,9 +11,9 @@ How sglang 0.5.12.post1 runs it, and so the flags here:
 - Spec v2: with topk 1 and the overlap scheduler on (the default) this is
   MultiLayerEagleWorkerV2, what users get; --disable-overlap-schedule gives the spec v1
   MultiLayerEagleWorker, which patch 0002 edits too (before it, v1 could not even be imported).
-  Spec v1 has no draft-extend CUDA graphs (patch 0024: upstream's were spec v2's and never
-  captured, so v1 + CUDA graphs died on its first decode); with CUDA graphs on only its target
-  replays graphs.
+  Spec v1 has no draft-extend CUDA graphs (speculative/multi_layer_v1_draft_extend.py:
+  upstream's were spec v2's and never captured, so v1 + CUDA graphs died on its first decode);
+  with CUDA graphs on only its target replays graphs.
 - `--attention-backend fa3`: sglang's own choice on Hopper for topk 1 (_get_default_attn_backend),
   so what a Step-3.5 user gets there; one triton case runs where FA3 is not staged. That case is
   spec v2 without CUDA graphs: sglang's triton backend builds no sliding-window KV indices for
