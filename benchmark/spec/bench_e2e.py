@@ -8,7 +8,8 @@ Config names: none (no speculation), chain (v2, topk 1, the fast path), chain-ge
 with SGLANG_SPEC_CHAIN_FAST_PATH=0), tree (v2 tree drafting, --tree K,S,D), tree-v1 (the same
 tree on spec v1: what the base falls back to, i.e. --disable-overlap-schedule). A name may
 end in @BACKEND to run that config on another attention backend than --attention-backend
-(tree@flashinfer,tree-v1@flashinfer,tree@triton). With both tree and tree-v1 (and chain)
+(tree@flashinfer,tree-v1@flashinfer,tree@triton), and then in :PAGE to run it with
+--page-size PAGE (tree@fa3:16,tree-v1@fa3:16; page size 1 without it). With both tree and tree-v1 (and chain)
 measured, it also prints tree v2 / v1 tok/s and tree / chain accept length per batch size;
 --ratios A/B,C/D prints tok/s ratios of any measured pairs. --replot results.json redraws
 the PNG only.
@@ -70,12 +71,14 @@ def ensure_pair(models: str | None, preset: str, agreement: float) -> tuple[Path
     return root / "target", root / "draft"
 
 
-def split_config(name: str, default_backend: str) -> tuple[str, str]:
-    """ "tree@flashinfer" -> ("tree", "flashinfer"); "tree" -> ("tree", default_backend)."""
-    config, _, backend = name.partition("@")
+def split_config(name: str, default_backend: str) -> tuple[str, str, int]:
+    """ "tree@flashinfer:16" -> ("tree", "flashinfer", 16); "tree" -> ("tree",
+    default_backend, 1)."""
+    rest, _, page = name.partition(":")
+    config, _, backend = rest.partition("@")
     if config not in CONFIGS:
         raise SystemExit(f"unknown config {config!r} (one of {', '.join(CONFIGS)})")
-    return config, backend or default_backend
+    return config, backend or default_backend, int(page or 1)
 
 
 def measure(
@@ -88,7 +91,7 @@ def measure(
     repeats: int = 3,
     attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"],
 ) -> list[dict]:
-    config, backend = split_config(name, attention_backend)
+    config, backend, page_size = split_config(name, attention_backend)
     spec, env = CONFIGS[config]
     rows = []
     kwargs = eng.engine_kwargs(
@@ -98,6 +101,7 @@ def measure(
         max_running_requests=max(batch_sizes),
         max_total_tokens=eng.pool_tokens_for(target),
         attention_backend=backend,
+        page_size=page_size,
     )
     with scoped_env(env), eng.engine(**kwargs) as e:
         for bs in batch_sizes:

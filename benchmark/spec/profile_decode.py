@@ -288,7 +288,7 @@ def profile_config(
     with_stack: bool = False,
     extra_env: dict[str, str] | None = None,
 ) -> dict:
-    config, backend = bench_e2e.split_config(
+    config, backend, page_size = bench_e2e.split_config(
         name, eng.BUNDLE_FLAGS["attention_backend"]
     )
     spec, env = bench_e2e.CONFIGS[config]
@@ -304,6 +304,7 @@ def profile_config(
                 max_running_requests=max(bs, 4),
                 max_total_tokens=eng.pool_tokens_for(target),
                 attention_backend=backend,
+                page_size=page_size,
             )
         ) as e,
     ):

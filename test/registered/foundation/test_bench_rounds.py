@@ -1,4 +1,5 @@
-"""benchmark/spec/bench_e2e.py's per-round ratios: each round pairs the engines it started."""
+"""benchmark/spec/bench_e2e.py: per-round ratios (each round pairs the engines it started) and
+config names."""
 
 from __future__ import annotations
 
@@ -27,3 +28,21 @@ def test_round_ratios_pair_the_configs_of_each_round():
         1: [pytest.approx(1.25), pytest.approx(1.3)],
         4: [pytest.approx(1.25), pytest.approx(1.25)],
     }
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("tree", ("tree", "triton", 1)),
+        ("tree@fa3", ("tree", "fa3", 1)),
+        ("tree-v1@flashinfer:16", ("tree-v1", "flashinfer", 16)),
+        ("none:64", ("none", "triton", 64)),
+    ],
+)
+def test_config_names_carry_backend_and_page_size(name, expected):
+    assert bench_e2e.split_config(name, "triton") == expected
+
+
+def test_unknown_config_name_is_refused():
+    with pytest.raises(SystemExit, match="unknown config 'forest'"):
+        bench_e2e.split_config("forest@fa3:16", "triton")

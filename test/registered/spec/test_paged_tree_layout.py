@@ -14,6 +14,7 @@ import torch
 from sglang.srt.speculative.paged_tree_layout import (
     UPSTREAM_ROW_SLACK,
     alloc_len_per_decode,
+    attention_page_size_of,
     draft_branch_page_size,
     draft_branch_page_size_of,
     draft_decode_kv_positions,
@@ -91,6 +92,31 @@ def _server_args(**overrides):
     )
     args.update(overrides)
     return SimpleNamespace(**args)
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            {},
+            1,
+        ),  # spec v2 trees: fa3 reads the flat branches through pages of one token
+        (dict(disable_overlap_schedule=True), 64),  # spec v1: branches own their pages
+        (dict(speculative_eagle_topk=1, speculative_num_steps=3), 64),  # chains
+        (dict(speculative_algorithm="NGRAM"), 64),
+        (
+            dict(
+                speculative_algorithm=None,
+                speculative_eagle_topk=None,
+                speculative_num_draft_tokens=None,
+            ),
+            64,
+        ),
+    ],
+    ids=["tree-v2", "tree-v1", "chain", "ngram", "no-spec"],
+)
+def test_attention_page_size_is_one_only_for_spec_v2_trees(overrides, expected):
+    assert attention_page_size_of(_server_args(**overrides), 64) == expected
 
 
 def test_tree_rows_hold_two_allocations_past_the_context():

@@ -66,6 +66,9 @@ import logging  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 from sglang.srt.arg_groups import speculative_hook as hook  # noqa: E402
+from sglang.srt.speculative.paged_tree_layout import (  # noqa: E402
+    attention_page_size_of,
+)
 
 
 def spec_warnings(caplog) -> list[str]:
@@ -93,7 +96,8 @@ def test_tree_runs_spec_v2_with_page_size_1(pair, caplog):
     ]
 
 
-def test_tree_falls_back_to_spec_v1_with_one_warning_naming_page_size(pair, caplog):
+def test_tree_with_pages_on_fa3_spec_v1_keeps_its_pages(pair, caplog):
+    """Spec v1 lays branches out in their own pages, which fa3's page table reads as they are."""
     with caplog.at_level(logging.WARNING):
         args = server_args(
             pair,
@@ -102,10 +106,14 @@ def test_tree_falls_back_to_spec_v1_with_one_warning_naming_page_size(pair, capl
             speculative_num_draft_tokens=8,
             page_size=16,
             attention_backend="fa3",
+            disable_overlap_schedule=True,
         )
     assert args.disable_overlap_schedule is True
-    [message] = spec_warnings(caplog)
-    assert "--page-size 1, got 16" in message and message.startswith("Spec v1")
+    assert spec_warnings(caplog) == [
+        "Spec v1 is used for eagle speculative decoding because the overlap scheduler is "
+        "disabled."
+    ]
+    assert attention_page_size_of(args, args.page_size) == 16
 
 
 def test_user_disabled_overlap_keeps_spec_v1(pair):
@@ -145,8 +153,8 @@ def test_inconsistent_tree_shapes_are_config_errors(pair, topk, steps, tokens, m
         )
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_tree_with_pages_runs_spec_v2_on_token_slot_backends(pair, caplog, backend):
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "fa3"])
+def test_tree_with_pages_runs_spec_v2_on_every_tree_backend(pair, caplog, backend):
     with caplog.at_level(logging.WARNING):
         args = server_args(
             pair,
@@ -160,6 +168,9 @@ def test_tree_with_pages_runs_spec_v2_on_token_slot_backends(pair, caplog, backe
     assert spec_warnings(caplog) == [
         "Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=4)."
     ]
+    # fa3 reads the flat draft layout through pages of one token; the pool keeps its pages.
+    assert attention_page_size_of(args, args.page_size) == 1
+    assert args.page_size == 16
 
 
 def test_tree_with_pages_on_triton_spec_v1_is_refused(pair):
@@ -192,7 +203,6 @@ def test_largest_tree_is_accepted(pair):
 V2 = hook.SpecVersion(True, None)
 BASE = dict(
     topk=4,
-    page_size=1,
     overlap_disabled=False,
     spec_v2_env_enabled=True,
     multi_layer=False,
@@ -206,22 +216,10 @@ BASE = dict(
     "change,use_v2,reason",
     [
         ({}, True, None),
-        ({"topk": 1, "page_size": 64, "attention_backends": {"fa3"}}, True, None),
+        ({"topk": 1, "attention_backends": {"fa3"}}, True, None),
         ({"overlap_disabled": True}, False, None),
         ({"spec_v2_env_enabled": False}, False, "SGLANG_ENABLE_SPEC_V2=False"),
-        ({"page_size": 64}, True, None),
-        ({"page_size": 64, "attention_backends": {"flashinfer"}}, True, None),
-        ({"page_size": 16, "attention_backends": {"triton", "flashinfer"}}, True, None),
-        (
-            {"page_size": 16, "attention_backends": {"triton", "fa3"}},
-            False,
-            "--page-size 1, got 16 (with pages it runs on ['flashinfer', 'triton'] only, got fa3)",
-        ),
-        (
-            {"page_size": 16, "attention_backends": {"flashinfer"}, "mla_target": True},
-            False,
-            "a non-MLA target for the flashinfer attention backend",
-        ),
+        ({"attention_backends": {"triton", "fa3"}}, True, None),
         (
             {
                 "recurrent_reason": "the target (Qwen3NextConfig) has mamba / linear-attention layers"
@@ -516,12 +514,28 @@ def test_server_args_decide_on_the_draft_backend_too(
         assert reason in message
 
 
-def test_paged_tree_with_a_triton_draft_backend_is_refused(pair):
-    """An fa3 target sends the paged tree to spec v1, where the triton draft is wrong."""
+def test_paged_tree_with_an_fa3_target_and_a_triton_draft_runs_spec_v2(pair, caplog):
+    with caplog.at_level(logging.WARNING):
+        args = server_args(
+            pair,
+            speculative_eagle_topk=4,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=8,
+            page_size=16,
+            attention_backend="fa3",
+            speculative_draft_attention_backend="triton",
+        )
+    assert args.disable_overlap_schedule is False
+    [message] = spec_warnings(caplog)
+    assert message.startswith("Spec v2")
+
+
+def test_paged_tree_with_a_triton_draft_backend_on_spec_v1_is_refused(pair):
+    """A paged tree that lands on spec v1 (overlap disabled here) with a triton draft is wrong."""
     with pytest.raises(
         ValueError,
-        match=r"--page-size 16 runs spec v1 here \(spec v2 tree drafting .* needs --page-size 1, "
-        r"got 16 .*\), which produces incorrect results with the triton attention backend",
+        match=r"--page-size 16 runs spec v1 here \(the overlap scheduler is disabled\), "
+        r"which produces incorrect results with the triton attention backend",
     ):
         server_args(
             pair,
@@ -531,6 +545,7 @@ def test_paged_tree_with_a_triton_draft_backend_is_refused(pair):
             page_size=16,
             attention_backend="fa3",
             speculative_draft_attention_backend="triton",
+            disable_overlap_schedule=True,
         )
 
 

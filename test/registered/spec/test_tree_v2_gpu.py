@@ -210,20 +210,26 @@ def test_tree_v2_tp2_is_token_identical(
 
 
 @TWO_GPUS
-@FLASHINFER_SKIP
-def test_paged_tree_tp2_is_token_identical(toy_pair, prompts, record_metric):
-    """--page-size 16 with a tree on flashinfer: spec v2 with the flat draft layout (patch 0021,
-    docs/paged-trees.md), each rank on its own KV shard."""
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("flashinfer", marks=FLASHINFER_SKIP),
+        pytest.param("fa3", marks=FA3_SKIP),
+    ],
+)
+def test_paged_tree_tp2_is_token_identical(toy_pair, prompts, backend, record_metric):
+    """--page-size 16 with a tree: spec v2 with the flat draft layout (docs/paged-trees.md),
+    each rank on its own KV shard; fa3 reads it through pages of one token."""
     target, draft = toy_pair
     expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
     spec = eng.SpecConfig(4, 3, 8)
     kwargs = eng.engine_kwargs(
-        target, draft, spec, tp_size=2, page_size=16, attention_backend="flashinfer"
+        target, draft, spec, tp_size=2, page_size=16, attention_backend=backend
     )
     with eng.engine(**kwargs) as e:
         assert e.server_args.disable_overlap_schedule is False, "fell back to spec v1"
         run = eng.generate(e, prompts, MAX_NEW_TOKENS)
-    eng.assert_identical(run, expected, "tp2 page 16")
+    eng.assert_identical(run, expected, f"tp2 page 16 {backend}")
     record_metric("accept_length", round(run.accept_length, 3))
     assert run.accept_length > 1.5
 

@@ -1,5 +1,5 @@
-"""Spec v2 tree drafting with --page-size > 1 on triton and flashinfer (docs/paged-trees.md), on
-the GPU.
+"""Spec v2 tree drafting with --page-size > 1 on triton, flashinfer and fa3
+(docs/paged-trees.md), on the GPU.
 
 The synthetic target's greedy continuation is its bigram table, so "identical to the table" is
 token identity with no-spec (see test_tree_v2_gpu). Every test id starts with its attention
@@ -8,14 +8,20 @@ starts at most three engines (one per test):
     -k "paged_tree_v2 and triton and page4"      -k "paged_tree_v2 and triton and page16"
     -k "paged_tree_v2 and triton and page64"     -k "paged_retraction and triton"
     -k "paged_radix and triton"                  -k "paged_tree_v2 and flashinfer"
-    -k "paged_retraction and flashinfer"
+    -k "paged_retraction and flashinfer"         -k "paged_tree_v2 and fa3"
+    -k "paged_retraction and fa3"                -k "paged_radix and fa3"
+    -k "paged_canary"
 (one page size on flashinfer: -k "paged_tree_v2 and flashinfer and page16").
 """
 
 from __future__ import annotations
 
 import pytest
-from test_tree_v2_gpu import FLASHINFER_SKIP, check_identity_across_batch_sizes
+from test_tree_v2_gpu import (
+    FA3_SKIP,
+    FLASHINFER_SKIP,
+    check_identity_across_batch_sizes,
+)
 
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
@@ -27,7 +33,8 @@ MAX_NEW_TOKENS = 64
 # backend x page size x (topk, steps, draft tokens) x CUDA graphs. triton: every page size with
 # topk 4, 8 and 16 among its three, each page size eager once. flashinfer plans pages of one
 # token, so it reads the flat layout as triton does: one shape per page size, the widest tree
-# graphed. The prefixes of the random prompts (8..64 tokens) end mid-page and at page
+# graphed. fa3 reads a page table, of pages of one token on spec v2 trees: one shape per page
+# size, graphed where users run it and eager once. The prefixes of the random prompts (8..64 tokens) end mid-page and at page
 # boundaries, and 64 new tokens cross pages at every size.
 PAGED_SHAPES = [
     ("triton", 4, eng.SpecConfig(4, 3, 8), True),
@@ -42,6 +49,9 @@ PAGED_SHAPES = [
     ("flashinfer", 4, eng.SpecConfig(8, 3, 16), False),
     ("flashinfer", 16, eng.SpecConfig(16, 3, 32), True),
     ("flashinfer", 64, eng.SpecConfig(4, 3, 8), True),
+    ("fa3", 4, eng.SpecConfig(8, 3, 16), True),
+    ("fa3", 16, eng.SpecConfig(16, 3, 32), True),
+    ("fa3", 64, eng.SpecConfig(4, 3, 8), False),
 ]
 
 
@@ -54,8 +64,8 @@ def _shape_id(
 
 def _backend_case(*values, case_id: str):
     """One parameter set whose first value is its attention backend: flashinfer's cases skip
-    where its JIT kernels cannot run."""
-    marks = [FLASHINFER_SKIP] if values[0] == "flashinfer" else []
+    where its JIT kernels cannot run, fa3's where sgl_kernel has no FA3 library."""
+    marks = {"flashinfer": [FLASHINFER_SKIP], "fa3": [FA3_SKIP]}.get(values[0], [])
     return pytest.param(*values, id=case_id, marks=marks)
 
 
@@ -87,6 +97,7 @@ RETRACTION_CASES = [
     ("triton", eng.SpecConfig(4, 3, 8)),
     ("triton", eng.SpecConfig(16, 3, 32)),
     ("flashinfer", eng.SpecConfig(4, 3, 8)),
+    ("fa3", eng.SpecConfig(16, 3, 32)),
 ]
 
 
@@ -131,13 +142,15 @@ def test_paged_retraction_keeps_identity_and_leaks_nothing(
     eng.assert_no_leak_reported(text)
 
 
-RADIX_CASES = [("triton", 16), ("triton", 64)]
+RADIX_CASES = [("triton", 16), ("triton", 64), ("fa3", 16)]
 
 
 @pytest.mark.parametrize(
     "backend,page_size",
-    RADIX_CASES,
-    ids=[f"{backend}-page{page_size}" for backend, page_size in RADIX_CASES],
+    [
+        _backend_case(backend, page_size, case_id=f"{backend}-page{page_size}")
+        for backend, page_size in RADIX_CASES
+    ],
 )
 def test_paged_radix_reuse_of_prefixes_longer_than_a_page(
     toy_pair, capfd, record_metric, backend, page_size
@@ -172,3 +185,47 @@ def test_paged_radix_reuse_of_prefixes_longer_than_a_page(
     assert all(c >= aligned_prefix for c in cached), (aligned_prefix, cached)
     text = "".join(capfd.readouterr())
     eng.assert_no_leak_reported(text)
+
+
+CANARY_BACKENDS = ["triton", "flashinfer", "fa3"]
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [_backend_case(b, case_id=f"{b}-page16") for b in CANARY_BACKENDS],
+)
+def test_paged_canary_raise_mode_sees_no_violation_under_retraction(
+    toy_pair, capfd, monkeypatch, record_metric, backend
+):
+    """The KV canary in raise mode on a paged tree (page 16, tree 16,3,32) with retraction: every
+    slot a target or draft forward reads holds what the request wrote there, across pages.
+    """
+    target, draft = toy_pair
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    many = eng.random_prompts(600, vocab, seed=13, min_len=8, max_len=80)
+    expected = synth.table_continuations(target, many, 48)
+    # The scheduler child inherits the environment at spawn.
+    monkeypatch.setenv("SGLANG_KV_CANARY", "raise")
+    kwargs = eng.engine_kwargs(
+        target,
+        draft,
+        eng.SpecConfig(16, 3, 32),
+        max_running_requests=64,
+        max_total_tokens=6000,
+        page_size=16,
+        attention_backend=backend,
+        log_level="info",
+    )
+    with eng.engine(**kwargs) as e:
+        assert e.server_args.disable_overlap_schedule is False, "fell back to spec v1"
+        run = eng.generate(e, many, 48)
+    text = "".join(capfd.readouterr())
+    violations = [line for line in text.splitlines() if "KV canary violation" in line]
+    retractions = text.count("KV cache pool is full. Retract requests.")
+    record_metric("canary_installs", text.count("KV canary on for"))
+    record_metric("retraction_events", retractions)
+    record_metric("violations", len(violations))
+    assert text.count("KV canary on for") >= 2, "the canary is not on target and draft"
+    assert retractions > 0, "the pool was large enough: the test did not retract"
+    assert not violations, violations[:5]
+    eng.assert_identical(run, expected, "paged canary")

@@ -19,14 +19,13 @@ The decisions, in order:
    (num_draft_tokens is num_steps + 1); topk > 1 drafts a tree whose node budget
    num_draft_tokens must fit in what the steps can produce, and in sgl_kernel's tree build.
 2. Which scheduler runs it: spec v2 (the overlap scheduler) or spec v1. Tree drafting runs on
-   spec v2 only where its accepted-path compaction is implemented and tested: page_size == 1
-   or only triton / flashinfer in play (docs/paged-trees.md), no recurrent (mamba /
-   linear-attention) state, a backend with spec-v2 tree metadata for every attention backend
-   in play (the target's, and the draft's when --speculative-draft-attention-backend is set),
-   flashinfer only on a non-MLA target, and not the multi-layer (MTP) worker, which drafts
-   chains only. Anything else runs spec v1 and says why in exactly one warning. A tree with
-   pages that lands on spec v1 with a backend other than flashinfer / fa3 is a ValueError:
-   spec v1 gets those wrong (upstream's refusal).
+   spec v2 only where its accepted-path compaction is implemented and tested: at any page size
+   (docs/paged-trees.md), no recurrent (mamba / linear-attention) state, a backend with spec-v2
+   tree metadata for every attention backend in play (the target's, and the draft's when
+   --speculative-draft-attention-backend is set), flashinfer and fa3 only on a non-MLA target,
+   and not the multi-layer (MTP) worker, which drafts chains only. Anything else runs spec v1
+   and says why in exactly one warning. A tree with pages that lands on spec v1 with a backend
+   other than flashinfer / fa3 is a ValueError: spec v1 gets those wrong (upstream's refusal).
 3. Trees with DP attention need CUDA graphs, in either version (DP_ATTENTION_EAGER_TREE_ERROR);
    with them they run spec v2 on every backend in SPEC_V2_TREE_ATTENTION_BACKENDS.
 4. A multi-layer EAGLE draft whose MTP layers attend in a sliding window (Step-3.5, MiMo-V2)
@@ -96,12 +95,10 @@ SLIDING_WINDOW_MTP_ARCHITECTURES = frozenset({"MiMoV2ForCausalLM"})
 # on any other backend produce incorrect results (upstream's refusal, kept).
 PAGED_TREE_ATTENTION_BACKENDS = frozenset({"flashinfer", "fa3"})
 
-# Backends that run trees with page_size > 1 on spec v2 (docs/paged-trees.md): they read KV by
-# token slot (triton; flashinfer plans pages of one token), so the flat draft layout of page size
-# 1 holds at every page size, and their multi-step draft backends take that layout
-# (paged_tree_layout.draft_branch_page_size). fa3 reads a page table and would need each branch
-# in its own pages.
-SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer"})
+# Spec v2 trees run at every page size on every backend in SPEC_V2_TREE_ATTENTION_BACKENDS
+# (docs/paged-trees.md): the draft keeps the flat branch layout of page size 1, which triton reads
+# by token slot, flashinfer through pages of one token, and fa3 through a page table of pages of
+# one token (paged_tree_layout.attention_page_size).
 
 # Config classes of targets whose layers keep recurrent state, which a tree verify would have
 # to roll back per branch (eagle_worker_v2's mamba update handles chains only).
@@ -506,7 +503,6 @@ class SpecVersion:
 def choose_spec_version(
     *,
     topk: int,
-    page_size: int,
     overlap_disabled: bool,
     spec_v2_env_enabled: bool,
     multi_layer: bool,
@@ -524,16 +520,6 @@ def choose_spec_version(
 
     prefix = f"spec v2 tree drafting (--speculative-eagle-topk {topk}) needs "
     attention_backends = set(attention_backends)
-    if (
-        page_size != 1
-        and not attention_backends <= SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS
-    ):
-        return SpecVersion(
-            False,
-            prefix + f"--page-size 1, got {page_size} (with pages it runs on "
-            f"{sorted(SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS)} only, got "
-            f"{', '.join(sorted(attention_backends - SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS))})",
-        )
     if recurrent_reason is not None:
         return SpecVersion(
             False, prefix + f"a target without recurrent state; {recurrent_reason}"
@@ -578,7 +564,7 @@ def check_spec_v1_paged_tree(
         f"--speculative-eagle-topk {topk} with --page-size {page_size} runs spec v1 here "
         f"({why}), which produces incorrect results with the {', '.join(wrong)} attention "
         f"backend; use one of {sorted(PAGED_TREE_ATTENTION_BACKENDS)}, --page-size 1, or spec "
-        f"v2 with only {sorted(SPEC_V2_PAGED_TREE_ATTENTION_BACKENDS)}"
+        f"v2 with only {sorted(SPEC_V2_TREE_ATTENTION_BACKENDS)}"
     )
 
 
@@ -689,7 +675,6 @@ def handle_eagle_family(
 
     version = choose_spec_version(
         topk=topk,
-        page_size=server_args.page_size,
         overlap_disabled=server_args.disable_overlap_schedule,
         spec_v2_env_enabled=spec_v2_env_enabled,
         multi_layer=server_args.enable_multi_layer_eagle,

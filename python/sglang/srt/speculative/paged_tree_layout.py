@@ -13,7 +13,12 @@ Two things read the layout or its size and must agree with it:
   (eagle_info_v2.assign_draft_cache_locs_page_size_1); the page size on spec v1, whose draft
   gives each branch its own pages (spec_utils.assign_draft_cache_locs);
 - the per-step allocation (managers.utils.get_alloc_len_per_decode) and the req_to_token row
-  width, which must hold every position a round writes.
+  width, which must hold every position a round writes;
+- a backend that reads KV through a page table (FA3: `req_to_token[:, ::P] // P` and the
+  last page's length) sees a branch as page-contiguous only if it owns its pages, which the flat
+  layout does not give it. On spec v2 trees FA3 plans with pages of one token instead
+  (attention_page_size): its page table is then req_to_token itself, which reads any
+  position-to-slot map, as triton and flashinfer read it.
 """
 
 from __future__ import annotations
@@ -64,20 +69,43 @@ def req_to_token_extra_len(num_draft_tokens: int, alloc_len: int) -> int:
     return UPSTREAM_ROW_SLACK + max(num_draft_tokens, 2 * alloc_len)
 
 
+def runs_spec_v2_trees(server_args) -> bool:
+    """Whether a resolved ServerArgs drafts trees on spec v2 (the hook has chosen the
+    scheduler by the time any model runner reads this)."""
+    return (
+        server_args.speculative_algorithm in _TREE_ALGORITHMS
+        and (server_args.speculative_eagle_topk or 1) > 1
+        and not server_args.disable_overlap_schedule
+    )
+
+
 def req_to_token_extra_len_of(server_args) -> int:
     """The row slack for a resolved ServerArgs: upstream's unless it runs spec v2 trees."""
     num_draft_tokens = server_args.speculative_num_draft_tokens or 0
-    topk = server_args.speculative_eagle_topk or 1
-    if (
-        server_args.speculative_algorithm not in _TREE_ALGORITHMS
-        or topk == 1
-        or server_args.disable_overlap_schedule
-    ):
+    if not runs_spec_v2_trees(server_args):
         return UPSTREAM_ROW_SLACK + num_draft_tokens
     alloc_len = alloc_len_per_decode(
-        topk, server_args.speculative_num_steps, num_draft_tokens
+        server_args.speculative_eagle_topk,
+        server_args.speculative_num_steps,
+        num_draft_tokens,
     )
     return req_to_token_extra_len(num_draft_tokens, alloc_len)
+
+
+def attention_page_size(page_size: int, spec_v2_trees: bool) -> int:
+    """The page size a page-table attention backend (FA3) plans with: 1 on spec v2 trees,
+    whose flat draft branches share pages; the pool's page size otherwise.
+
+    Pages of one token read the same KV (a pool of pages of P tokens is a pool of tokens,
+    slot = page * P + offset); they cost a page table P times longer, and nothing else
+    changes: the allocator, the radix cache and the scheduler's page accounting keep P.
+    """
+    return 1 if spec_v2_trees else page_size
+
+
+def attention_page_size_of(server_args, page_size: int) -> int:
+    """attention_page_size for a resolved ServerArgs and the pool's page size."""
+    return attention_page_size(page_size, runs_spec_v2_trees(server_args))
 
 
 def flat_draft_positions(
