@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU tier in parallel lanes on one GPU, on the GPU host, from the checkout root:
+# GPU tier in parallel lanes on the host's GPUs (several lanes per GPU), from the checkout root:
 #   bash tools/gpu-lanes.sh OUT_DIR "SELECTION 1" "SELECTION 2" ...
 # Each SELECTION is a pytest -k expression run by its own pytest process, writing
 # OUT_DIR/laneN/{selection,gpu-junit.xml,gpu-tests.log}, packed into OUT_DIR/lanes.tar.gz at the end. The synthetic test engines cap their KV
@@ -15,12 +15,17 @@ mkdir -p "$out"
 # Once, before the lanes: unpacking the bundle and installing staged modules are not concurrent-safe.
 source tools/gpu-env.sh || exit 1
 model_cache=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}
+# Lanes go round-robin over the host's GPUs (lane N on GPU N mod count); GPU_LANES=0 keeps every
+# lane on what CUDA_VISIBLE_DEVICES already allows.
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "${GPU_LANES:-1}" = 0 ] && gpus=0
 pids=()
 lane=0
 for selection in "$@"; do
   dir="$out/lane$lane"
   mkdir -p "$dir"
   echo "$selection" >"$dir/selection"
+  if [ "$gpus" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$((lane % gpus)); fi
   SPECPATCH_MODEL_CACHE="$model_cache/lane$lane" timeout "${LANE_TIMEOUT_S:-0}" python3 -m pytest test/registered -m gpu \
     -p no:cacheprovider -v --junitxml "$dir/gpu-junit.xml" -k "$selection" \
     >"$dir/gpu-tests.log" 2>&1 &
