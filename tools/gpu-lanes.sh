@@ -7,7 +7,8 @@
 # is the scarce resource, so independent groups share it. Each lane generates its synthetic
 # models into its own cache, so no lane reads a checkpoint another is still writing. Keep
 # engines that bind fixed ports (the mission-command server test) in one lane. LANE_TIMEOUT_S
-# stops a lane that runs past it (its -v log still says which tests passed).
+# interrupts a lane that runs past it as Ctrl-C would: pytest stops its engines and still writes
+# its junit XML and the failures so far (a plain kill left neither).
 set -uo pipefail
 out=${1:?usage: gpu-lanes.sh OUT_DIR SELECTION...}
 shift
@@ -26,7 +27,7 @@ for selection in "$@"; do
   mkdir -p "$dir"
   echo "$selection" >"$dir/selection"
   if [ "$gpus" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$((lane % gpus)); fi
-  SPECPATCH_MODEL_CACHE="$model_cache/lane$lane" timeout "${LANE_TIMEOUT_S:-0}" python3 -m pytest test/registered -m gpu \
+  SPECPATCH_MODEL_CACHE="$model_cache/lane$lane" timeout -s INT -k 60 "${LANE_TIMEOUT_S:-0}" python3 -m pytest test/registered -m gpu \
     -p no:cacheprovider -v --junitxml "$dir/gpu-junit.xml" -k "$selection" \
     >"$dir/gpu-tests.log" 2>&1 &
   pids+=($!)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tier, on the GPU host, from the checkout root, with the bundle staged from a cp312 build:
-#   bash tools/gpu-tests.sh [OUT_DIR] [pytest args...]
+#   [GPU_TESTS_TIMEOUT_S=540] bash tools/gpu-tests.sh [OUT_DIR] [pytest args...]
 # Runs every test marked `gpu` and writes OUT_DIR/gpu-junit.xml (pytest's junitxml: each test's
 # outcome, seconds, failure text, and the metrics it recorded as <property> elements) and
 # OUT_DIR/gpu-tests.log, then prints one line of counts, "gpu summary: {...}".
@@ -8,7 +8,10 @@ set -uo pipefail
 out=${1:-${OUT:-build/gpu}}; shift || true
 mkdir -p "$out"
 source tools/gpu-env.sh || exit 1
-python3 -m pytest test/registered -m gpu -p no:cacheprovider --junitxml "$out/gpu-junit.xml" "$@" 2>&1 | tee "$out/gpu-tests.log"
+# GPU_TESTS_TIMEOUT_S interrupts pytest as Ctrl-C would: it still writes the junit XML and the
+# failures so far, which a device call's own time limit (a kill) leaves unwritten.
+timeout -s INT -k 60 "${GPU_TESTS_TIMEOUT_S:-0}" \
+  python3 -m pytest test/registered -m gpu -p no:cacheprovider --junitxml "$out/gpu-junit.xml" "$@" 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
 if [ -f .flashinfer/manifest.json ]; then
   # What this call compiled comes back for the next calls: copy it into .flashinfer/.

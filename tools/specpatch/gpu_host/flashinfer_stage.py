@@ -15,6 +15,15 @@ flashinfer, and with them any modules compiled by an earlier call:
 
 Compiled modules travel as FlashInfer's own AOT layout (`data/aot/<name>/<name>.so`), which it
 loads before considering a JIT build, so a carried module is never rebuilt.
+
+`prebuild` compiles those modules here instead, with this machine's nvcc (the GPU host's
+version) for sm_90a, so that no device call spends its minutes compiling:
+
+    python -m specpatch.gpu_host.flashinfer_stage prebuild .flashinfer --head-dims 64,128
+
+The CUDA toolkit here is nvcc and the runtime only: the cuBLAS and cuRAND headers that
+FlashInfer's sources include come from their PyPI wheels (headers only are unpacked), and the
+link gets a stub libcuda.so.1 (a module needs the driver only once loaded, on the GPU host).
 """
 
 from __future__ import annotations
@@ -23,9 +32,12 @@ import argparse
 import hashlib
 import io
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -122,6 +134,130 @@ def collect(out_dir: Path, module_roots: list[Path]) -> list[str]:
     return sorted(modules)
 
 
+# The modules sglang's flashinfer backend loads for a bf16 MHA model of one head_dim (verify,
+# draft extend and prefill: the FA2 and, on Hopper, the FA3 prefill; decode; its RMSNorm and the
+# packbits of the tree mask), by FlashInfer's generator arguments: (dtype_q, dtype_kv, dtype_o,
+# dtype_idx, head_dim_qk, head_dim_vo, pos_encoding_mode, use_sliding_window,
+# use_logits_soft_cap[, use_fp16_qk_reduction]).
+PREBUILD_ARCH = "9.0a"
+# PyPI wheels whose headers FlashInfer's sources include and a bare nvcc install lacks.
+HEADER_WHEELS = ("nvidia-cublas>=13,<14", "nvidia-curand>=10.4,<11")
+
+
+def module_specs(head_dims: list[int]) -> list:
+    """FlashInfer JitSpecs of the modules a bf16 MHA model of these head dims loads."""
+    import torch
+    from flashinfer.jit.attention import (
+        gen_batch_decode_module,
+        gen_batch_prefill_module,
+    )
+    from flashinfer.jit.norm import gen_norm_module
+    from flashinfer.jit.quantization import gen_quantization_module
+
+    bf16, i32 = torch.bfloat16, torch.int32
+    specs = [gen_norm_module(), gen_quantization_module()]
+    for d in head_dims:
+        common = (bf16, bf16, bf16, i32, d, d, 0, False, False)
+        specs.append(gen_batch_decode_module(*common))
+        for backend in ("fa2", "fa3"):
+            specs.append(gen_batch_prefill_module(backend, *common, False))
+    return specs
+
+
+def header_dir(cache: Path) -> Path:
+    """A folder with the cuBLAS and cuRAND headers (HEADER_WHEELS), unpacked once into
+    `cache`."""
+    include = cache / "include"
+    if include.is_dir():
+        return include
+    wheels = cache / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+        + ["--only-binary=:all:", "--dest", str(wheels), *HEADER_WHEELS],
+        check=True,
+    )
+    staging = cache / "include.tmp"
+    staging.mkdir(parents=True, exist_ok=True)
+    for wheel in sorted(wheels.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as zf:
+            for info in zf.infolist():
+                parts = Path(info.filename).parts
+                if len(parts) > 3 and parts[2] == "include" and not info.is_dir():
+                    target = staging.joinpath(*parts[3:])
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(zf.read(info))
+    staging.rename(include)
+    return include
+
+
+def _cudart() -> Path:
+    """The CUDA runtime library to link against: the toolkit's, else the one torch's
+    nvidia-cuda-runtime wheel installed."""
+    roots = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    for root in filter(None, roots):
+        for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
+            found = sorted(Path(root, sub).glob("libcudart.so*"))
+            if found:
+                return found[0]
+    import nvidia
+
+    for package in nvidia.__path__:
+        found = sorted(Path(package).glob("*/lib/libcudart.so*"))
+        if found:
+            return found[0]
+    raise SystemExit("flashinfer_stage: prebuild found no libcudart.so")
+
+
+def prebuild(out_dir: Path, head_dims: list[int], cache: Path, jobs: int) -> list[str]:
+    """Compile module_specs(head_dims) here for sm_90a and pack them into
+    out_dir/flashinfer-aot.tar.gz (the layout `collect` writes); return their names."""
+    if shutil.which("nvcc") is None:
+        raise SystemExit("flashinfer_stage: prebuild needs nvcc on PATH")
+    work = Path(tempfile.mkdtemp(prefix="flashinfer-prebuild-"))
+    libs = work / "lib"
+    libs.mkdir()
+    # The link names -lcudart -lcuda: the runtime links for real (its soname, libcudart.so.13,
+    # is what the GPU host loads), the driver as a stub that names libcuda.so.1.
+    (libs / "libcudart.so").symlink_to(_cudart())
+    subprocess.run(
+        ["gcc", "-shared", "-x", "c", "-", "-Wl,-soname,libcuda.so.1"]
+        + ["-o", str(libs / "libcuda.so")],
+        input=b"",
+        check=True,
+    )
+    env = {
+        "FLASHINFER_CUDA_ARCH_LIST": PREBUILD_ARCH,
+        "FLASHINFER_WORKSPACE_BASE": str(work),
+        "MAX_JOBS": str(jobs),
+        "CPATH": os.pathsep.join(
+            filter(None, [str(header_dir(cache)), os.environ.get("CPATH")])
+        ),
+        "LIBRARY_PATH": str(libs),
+    }
+    code = (
+        "import sys\n"
+        "from specpatch.gpu_host.flashinfer_stage import module_specs\n"
+        "for spec in module_specs([int(d) for d in sys.argv[1:]]):\n"
+        "    spec.build(verbose=False)\n"
+        "    print('built', spec.name, flush=True)\n"
+    )
+    # A child process: FlashInfer reads its environment when its modules are first imported.
+    subprocess.run(
+        [sys.executable, "-c", code, *map(str, head_dims)],
+        env={**os.environ, **env, "PYTHONPATH": _tools_path()},
+        check=True,
+    )
+    roots = sorted(work.glob(".cache/flashinfer/*/*/cached_ops"))
+    names = collect(out_dir, roots)
+    shutil.rmtree(work)
+    return names
+
+
+def _tools_path() -> str:
+    tools = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join(filter(None, [tools, os.environ.get("PYTHONPATH")]))
+
+
 def fetch_wheel(cache: Path) -> Path:
     """The flashinfer-python wheel of the version installed here (the bundle ships the same
     version: constraints.txt and stage.sh pin it), downloaded once into `cache`."""
@@ -177,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         "collect", help="on the GPU host: compiled modules into OUT/" + MODULES
     )
     c.add_argument("out_dir", type=Path)
+    b = sub.add_parser(
+        "prebuild",
+        help="here, with nvcc: the modules, compiled for sm_90a, into OUT/" + MODULES,
+    )
+    b.add_argument("out_dir", type=Path)
+    b.add_argument("--head-dims", default="64,128")
+    b.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
 
     if args.cmd == "pack":
@@ -187,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
             "flashinfer_stage: headers installed; modules:",
             install(args.store, *_flashinfer_package()) or "none",
         )
+    elif args.cmd == "prebuild":
+        head_dims = [int(d) for d in args.head_dims.split(",")]
+        cache = Path.home() / ".cache" / "flashinfer-stage"
+        names = prebuild(args.out_dir, head_dims, cache, args.jobs)
+        print("flashinfer_stage: prebuilt", names)
     else:
         from flashinfer.jit import env as jit_env
 
