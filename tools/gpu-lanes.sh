@@ -15,6 +15,7 @@ shift
 mkdir -p "$out"
 # Once, before the lanes: unpacking the bundle and installing staged modules are not concurrent-safe.
 source tools/gpu-env.sh || exit 1
+source tools/gpu-timeouts.sh
 model_cache=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}
 # Lanes go round-robin over the host's GPUs (lane N on GPU N mod count); GPU_LANES=0 keeps every
 # lane on what CUDA_VISIBLE_DEVICES already allows.
@@ -28,7 +29,7 @@ for selection in "$@"; do
   echo "$selection" >"$dir/selection"
   if [ "$gpus" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$((lane % gpus)); fi
   SPECPATCH_MODEL_CACHE="$model_cache/lane$lane" timeout -s INT -k 60 "${LANE_TIMEOUT_S:-0}" python3 -m pytest test/registered -m gpu \
-    -p no:cacheprovider -v --junitxml "$dir/gpu-junit.xml" -k "$selection" \
+    -p no:cacheprovider -v --junitxml "$dir/gpu-junit.xml" $(per_test_timeout) -k "$selection" \
     >"$dir/gpu-tests.log" 2>&1 &
   pids+=($!)
   lane=$((lane + 1))

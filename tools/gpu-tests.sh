@@ -8,10 +8,12 @@ set -uo pipefail
 out=${1:-${OUT:-build/gpu}}; shift || true
 mkdir -p "$out"
 source tools/gpu-env.sh || exit 1
+source tools/gpu-timeouts.sh
 # GPU_TESTS_TIMEOUT_S interrupts pytest as Ctrl-C would: it still writes the junit XML and the
 # failures so far, which a device call's own time limit (a kill) leaves unwritten.
 timeout -s INT -k 60 "${GPU_TESTS_TIMEOUT_S:-0}" \
-  python3 -m pytest test/registered -m gpu -p no:cacheprovider --junitxml "$out/gpu-junit.xml" "$@" 2>&1 | tee "$out/gpu-tests.log"
+  python3 -m pytest test/registered -m gpu -p no:cacheprovider --junitxml "$out/gpu-junit.xml" \
+  $(per_test_timeout) "$@" 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
 if [ -f .flashinfer/manifest.json ]; then
   # What this call compiled comes back for the next calls: copy it into .flashinfer/.

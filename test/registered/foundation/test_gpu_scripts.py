@@ -226,3 +226,35 @@ def test_readme_demo_request_is_json_that_the_server_accepts():
     assert args[args.index("-H") + 1] == "Content-Type: application/json"
     body = json.loads(args[args.index("-d") + 1])
     assert body["input_ids"] and body["sampling_params"]["max_new_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "has_plugin,limit,expected",
+    [
+        (True, None, "--timeout=420"),
+        (True, "90", "--timeout=90"),
+        (True, "0", ""),
+        (False, None, ""),  # pytest would refuse --timeout without pytest-timeout
+    ],
+)
+def test_per_test_timeout_needs_pytest_timeout(tmp_path, has_plugin, limit, expected):
+    if has_plugin:
+        (tmp_path / "pytest_timeout.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("PER_TEST_TIMEOUT_S", None)
+    if limit is not None:
+        env["PER_TEST_TIMEOUT_S"] = limit
+    installed = subprocess.run(
+        ["python3", "-c", "import pytest_timeout"], env=env, capture_output=True
+    )
+    if not has_plugin and installed.returncode == 0:
+        pytest.skip("python3 here imports pytest-timeout of its own")
+    out = subprocess.run(
+        ["bash", "-c", "source tools/gpu-timeouts.sh && per_test_timeout"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == expected
