@@ -1,0 +1,261 @@
+"""The per-step choice of a speculation shape for the running batch (docs/shape-policy.md).
+
+A fixed draft shape that wins at batch size 1 loses at large batch: verify costs bs *
+num_draft_tokens target tokens, nearly free while the target is bound by reading its weights
+and proportional once it is bound by compute. Before each decode step this policy picks, from
+a user-given set of shapes, the one with the most expected tokens per second at the running
+batch size:
+
+    score(shape, bs) = accept_length(shape) / step_seconds(shape, bs)
+
+accept_length is an EMA per shape of the tokens a step commits per request (the shape's own
+steps; 1 for no speculation); step_seconds a table per shape over batch sizes (measured at
+start-up, refreshed by the steps that run). Keeping the two apart lets a shape measured at one
+batch size be chosen at another. A switch needs the challenger to beat the running shape by a
+margin for `patience` decisions in a row; a shape idle for `probe_interval` steps runs for
+`probe_steps` steps when its stale score is within the margin of the best, so its acceptance
+follows the traffic.
+
+Decisions only: which runtime state (graphs, backends) a shape uses is the worker's business.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+CONFIG_FLAG = "--speculative-adaptive-config"
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """A draft shape: topk, num_steps, num_draft_tokens; NONE verifies the bonus token only."""
+
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+
+    @property
+    def speculates(self) -> bool:
+        return self.num_steps > 0
+
+    @property
+    def label(self) -> str:
+        if not self.speculates:
+            return "none"
+        return f"{self.topk},{self.num_steps},{self.num_draft_tokens}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        """ "16,3,32" -> Shape(16, 3, 32); "none" -> NONE."""
+        if text.strip().lower() == "none":
+            return NONE
+        parts = text.split(",")
+        try:
+            topk, num_steps, num_draft_tokens = (int(p) for p in parts)
+        except ValueError:
+            raise ValueError(
+                f"{CONFIG_FLAG}: shape {text!r} is not TOPK,STEPS,DRAFT_TOKENS or none"
+            ) from None
+        return cls(topk, num_steps, num_draft_tokens)
+
+
+NONE = Shape(topk=1, num_steps=0, num_draft_tokens=1)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    shapes: tuple[Shape, ...]
+    # A challenger must score above (1 + margin) x the running shape ...
+    margin: float = 0.05
+    # ... in this many decisions in a row.
+    patience: int = 8
+    # A shape idle for this many steps is probed for probe_steps steps.
+    probe_interval: int = 512
+    probe_steps: int = 8
+    # Weight of the newest step in the accept-length and step-time EMAs.
+    ema_alpha: float = 0.2
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, object], check_shape=None) -> "PolicyConfig":
+        """Validate a config's policy keys; check_shape(shape) raises ValueError for a shape
+        the server would refuse on its own (the hook's tree / chain rules)."""
+        labels = raw.get("shapes")
+        if not isinstance(labels, (list, tuple)) or not all(
+            isinstance(s, str) for s in labels
+        ):
+            raise ValueError(f'{CONFIG_FLAG}: "shapes" must be a list of strings')
+        shapes = tuple(Shape.parse(s) for s in labels)
+        if len(set(shapes)) != len(shapes):
+            raise ValueError(f'{CONFIG_FLAG}: "shapes" lists a shape twice: {labels}')
+        if sum(s.speculates for s in shapes) < 1 or len(shapes) < 2:
+            raise ValueError(
+                f'{CONFIG_FLAG}: "shapes" needs at least two shapes, one of them '
+                f"speculating, got {labels}"
+            )
+        if check_shape is not None:
+            for shape in shapes:
+                if shape.speculates:
+                    check_shape(shape)
+        defaults = cls(shapes=shapes)
+        values = {}
+        for key, low in (
+            ("margin", 0.0),
+            ("ema_alpha", 0.0),
+            ("patience", 1),
+            ("probe_interval", 1),
+            ("probe_steps", 1),
+        ):
+            value = raw.get(key, getattr(defaults, key))
+            kind = float if isinstance(getattr(defaults, key), float) else int
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f'{CONFIG_FLAG}: "{key}" must be a number')
+            if kind is int and value != int(value):
+                raise ValueError(f'{CONFIG_FLAG}: "{key}" must be an integer')
+            if value < low or (key == "ema_alpha" and not 0 < value <= 1):
+                raise ValueError(f'{CONFIG_FLAG}: "{key}" out of range: {value}')
+            values[key] = kind(value)
+        return cls(shapes=shapes, **values)
+
+
+class StepCostTable:
+    """step_seconds(shape, bs): measured points per shape, linear between them and constant
+    past the ends; steps that run refresh the nearest point (EMA)."""
+
+    def __init__(self, points: Mapping[Shape, Mapping[int, float]], ema_alpha: float):
+        self._points = {
+            shape: dict(sorted(by_bs.items())) for shape, by_bs in points.items()
+        }
+        self._ema_alpha = ema_alpha
+        for shape, by_bs in self._points.items():
+            if not by_bs or min(by_bs.values()) <= 0:
+                raise ValueError(f"step costs of {shape.label} must be positive")
+
+    def seconds(self, shape: Shape, bs: int) -> float:
+        by_bs = self._points[shape]
+        sizes = list(by_bs)
+        i = bisect.bisect_left(sizes, bs)
+        if i < len(sizes) and sizes[i] == bs:
+            return by_bs[bs]
+        if i == 0:
+            return by_bs[sizes[0]]
+        if i == len(sizes):
+            return by_bs[sizes[-1]]
+        lo, hi = sizes[i - 1], sizes[i]
+        w = (bs - lo) / (hi - lo)
+        return (1 - w) * by_bs[lo] + w * by_bs[hi]
+
+    def observe(self, shape: Shape, bs: int, seconds: float) -> None:
+        by_bs = self._points[shape]
+        nearest = min(by_bs, key=lambda size: (abs(size - bs), size))
+        a = self._ema_alpha
+        by_bs[nearest] = (1 - a) * by_bs[nearest] + a * seconds
+
+
+@dataclass
+class ShapeCounters:
+    """What the metrics export: steps run per shape, the policy's switches (a probe's detour
+    and return are not counted), probes started."""
+
+    steps: dict[str, int] = field(default_factory=dict)
+    switches: int = 0
+    probes: int = 0
+
+
+class ShapePolicy:
+    def __init__(
+        self,
+        config: PolicyConfig,
+        costs: StepCostTable,
+        initial: Shape,
+        initial_accept_lengths: Optional[Mapping[Shape, float]] = None,
+    ):
+        if initial not in config.shapes:
+            raise ValueError(
+                f"{CONFIG_FLAG}: the flags' own shape {initial.label} is not in "
+                f"{[s.label for s in config.shapes]}"
+            )
+        self.config = config
+        self.costs = costs
+        self.current = initial
+        # Before a shape has run: what the caller expects of it (e.g. the chain expectation
+        # of its depth), else the optimistic depth + 1, so that every shape gets measured.
+        given = dict(initial_accept_lengths or {})
+        self.accept_length = {
+            s: 1.0 if not s.speculates else given.get(s, s.num_steps + 1.0)
+            for s in config.shapes
+        }
+        self.counters = ShapeCounters()
+        self._step = 0
+        self._last_run = {s: 0 for s in config.shapes}
+        self._challenger: Optional[Shape] = None
+        self._streak = 0
+        self._probe_left = 0
+        self._probe_return: Optional[Shape] = None
+
+    def score(self, shape: Shape, bs: int) -> float:
+        return self.accept_length[shape] / self.costs.seconds(shape, bs)
+
+    def choose(self, bs: int) -> Shape:
+        """The shape of the next decode step at batch size bs."""
+        self._step += 1
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            if self._probe_left > 0:
+                return self._ran(self.current)
+            # The probe is over: back to the shape it left, then decide as usual.
+            self._switch(self._probe_return, counted=False)
+        best = max(self.config.shapes, key=lambda s: (self.score(s, bs), s))
+        threshold = (1 + self.config.margin) * self.score(self.current, bs)
+        if best != self.current and self.score(best, bs) > threshold:
+            if best == self._challenger:
+                self._streak += 1
+            else:
+                self._challenger, self._streak = best, 1
+            if self._streak >= self.config.patience:
+                self._switch(best)
+        else:
+            self._challenger, self._streak = None, 0
+        probe = self._stale_contender(bs)
+        if probe is not None:
+            self.counters.probes += 1
+            self._probe_return = self.current
+            self._probe_left = self.config.probe_steps
+            self._switch(probe, counted=False)
+        return self._ran(self.current)
+
+    def observe_accept(self, shape: Shape, accept_lengths: Sequence[int]) -> None:
+        """Feed the tokens each request committed in a step of `shape` (drafts + bonus)."""
+        if not accept_lengths or not shape.speculates:
+            return
+        mean = sum(accept_lengths) / len(accept_lengths)
+        a = self.config.ema_alpha
+        self.accept_length[shape] = (1 - a) * self.accept_length[shape] + a * mean
+
+    def observe_step_time(self, shape: Shape, bs: int, seconds: float) -> None:
+        self.costs.observe(shape, bs, seconds)
+
+    def _stale_contender(self, bs: int) -> Optional[Shape]:
+        """An idle shape whose stale score is within the margin of the running one."""
+        floor = self.score(self.current, bs) / (1 + self.config.margin)
+        stale = [
+            s
+            for s in self.config.shapes
+            if s != self.current
+            and s.speculates
+            and self._step - self._last_run[s] > self.config.probe_interval
+            and self.score(s, bs) >= floor
+        ]
+        return max(stale, key=lambda s: (self.score(s, bs), s)) if stale else None
+
+    def _switch(self, shape: Shape, counted: bool = True) -> None:
+        if shape != self.current:
+            self.counters.switches += counted
+            self.current = shape
+        self._challenger, self._streak = None, 0
+
+    def _ran(self, shape: Shape) -> Shape:
+        self._last_run[shape] = self._step
+        self.counters.steps[shape.label] = self.counters.steps.get(shape.label, 0) + 1
+        return shape

@@ -1,0 +1,206 @@
+"""speculative/shape_policy.py: the per-step shape choice on given step costs and accept
+lengths (docs/shape-policy.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.srt.speculative.shape_policy import (
+    NONE,
+    PolicyConfig,
+    Shape,
+    ShapePolicy,
+    StepCostTable,
+)
+
+WIDE = Shape(16, 3, 32)
+NARROW = Shape(4, 3, 8)
+CHAIN = Shape(1, 3, 4)
+
+# Step seconds by batch size, shaped like the 1.21B preset's: the wide tree's verify grows with
+# bs * 32 tokens, no speculation's step barely grows.
+COSTS = {
+    WIDE: {1: 4.0e-3, 16: 8.0e-3, 48: 20.0e-3},
+    NARROW: {1: 3.6e-3, 16: 5.0e-3, 48: 9.0e-3},
+    CHAIN: {1: 3.4e-3, 16: 3.9e-3, 48: 6.5e-3},
+    NONE: {1: 1.6e-3, 16: 1.9e-3, 48: 2.2e-3},
+}
+ACCEPT = {WIDE: 3.3, NARROW: 2.9, CHAIN: 2.4}
+
+
+def make_policy(initial=WIDE, shapes=(WIDE, NARROW, CHAIN, NONE), **config):
+    cfg = PolicyConfig(shapes=tuple(shapes), **config)
+    costs = StepCostTable({s: COSTS[s] for s in shapes}, cfg.ema_alpha)
+    return ShapePolicy(cfg, costs, initial, initial_accept_lengths=ACCEPT)
+
+
+def run(policy, bs, steps):
+    return [policy.choose(bs) for _ in range(steps)]
+
+
+# ----------------------------------------------------------------------------- shapes, config
+
+
+def test_shapes_parse_and_label():
+    assert Shape.parse("16,3,32") == WIDE
+    assert Shape.parse(" None ") is NONE
+    assert [s.label for s in (WIDE, NONE)] == ["16,3,32", "none"]
+    assert not NONE.speculates and CHAIN.speculates
+    with pytest.raises(
+        ValueError, match="'16,3' is not TOPK,STEPS,DRAFT_TOKENS or none"
+    ):
+        Shape.parse("16,3")
+
+
+def test_config_reads_shapes_and_knobs():
+    cfg = PolicyConfig.from_dict(
+        {"shapes": ["16,3,32", "none"], "margin": 0.1, "patience": 3}
+    )
+    assert cfg.shapes == (WIDE, NONE)
+    assert (cfg.margin, cfg.patience, cfg.probe_interval) == (0.1, 3, 512)
+
+
+@pytest.mark.parametrize(
+    "raw,message",
+    [
+        ({}, '"shapes" must be a list of strings'),
+        ({"shapes": "16,3,32"}, '"shapes" must be a list of strings'),
+        ({"shapes": ["16,3,32"]}, "at least two shapes"),
+        ({"shapes": ["none", "NONE"]}, "lists a shape twice"),
+        ({"shapes": ["none", "1,0,1"]}, "lists a shape twice"),
+        ({"shapes": ["16,3,32", "16,3,32"]}, "lists a shape twice"),
+        ({"shapes": ["16,3,32", "x"]}, "'x' is not TOPK"),
+        ({"shapes": ["16,3,32", "none"], "margin": -0.1}, '"margin" out of range'),
+        ({"shapes": ["16,3,32", "none"], "patience": 0}, '"patience" out of range'),
+        (
+            {"shapes": ["16,3,32", "none"], "patience": 2.5},
+            '"patience" must be an integer',
+        ),
+        ({"shapes": ["16,3,32", "none"], "ema_alpha": 0}, '"ema_alpha" out of range'),
+        (
+            {"shapes": ["16,3,32", "none"], "probe_steps": "8"},
+            '"probe_steps" must be a number',
+        ),
+    ],
+)
+def test_config_refusals_name_the_flag_and_key(raw, message):
+    with pytest.raises(ValueError, match="--speculative-adaptive-config") as err:
+        PolicyConfig.from_dict(raw)
+    assert message in str(err.value)
+
+
+def test_config_asks_the_server_rules_about_each_speculating_shape():
+    seen = []
+
+    def check(shape):
+        seen.append(shape)
+        if shape.num_draft_tokens > 1024:
+            raise ValueError("--speculative-num-draft-tokens 2000 is more than 1024")
+
+    PolicyConfig.from_dict({"shapes": ["16,3,32", "none"]}, check_shape=check)
+    assert seen == [WIDE]
+    with pytest.raises(ValueError, match="more than 1024"):
+        PolicyConfig.from_dict({"shapes": ["64,40,2000", "none"]}, check_shape=check)
+
+
+def test_the_flags_shape_must_be_in_the_set():
+    with pytest.raises(ValueError, match="the flags' own shape 4,3,8 is not in"):
+        make_policy(initial=NARROW, shapes=(WIDE, NONE))
+
+
+# ----------------------------------------------------------------------------- step costs
+
+
+def test_step_costs_interpolate_and_hold_past_the_ends():
+    table = StepCostTable({WIDE: COSTS[WIDE]}, ema_alpha=0.5)
+    assert table.seconds(WIDE, 16) == 8.0e-3
+    assert table.seconds(WIDE, 32) == pytest.approx(14.0e-3)
+    assert table.seconds(WIDE, 64) == 20.0e-3
+    table.observe(WIDE, 40, 30.0e-3)  # nearest measured point: 48
+    assert table.seconds(WIDE, 48) == pytest.approx(25.0e-3)
+
+
+def test_step_costs_must_be_positive():
+    with pytest.raises(ValueError, match="step costs of 16,3,32 must be positive"):
+        StepCostTable({WIDE: {1: 0.0}}, ema_alpha=0.2)
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+def test_each_batch_size_gets_its_best_shape_after_patience():
+    """Tokens per second: bs 1 the wide tree (3.3 / 4.0 ms = 825 against 806, 706, 625);
+    bs 16 the chain (2.4 / 3.9 ms = 615 against 412, 580, 526); bs 48 no speculation
+    (1 / 2.2 ms = 455 against 165, 322, 369)."""
+    policy = make_policy(patience=3)
+    assert set(run(policy, 1, 10)) == {WIDE}
+    assert run(policy, 16, 4) == [WIDE, WIDE, CHAIN, CHAIN]
+    assert run(policy, 48, 4) == [CHAIN, CHAIN, NONE, NONE]
+    assert run(policy, 1, 4) == [NONE, NONE, WIDE, WIDE]
+    assert policy.counters.switches == 3
+    assert policy.counters.steps == {"16,3,32": 14, "1,3,4": 4, "none": 4}
+
+
+def test_a_challenger_within_the_margin_never_takes_over():
+    # At bs 1 the narrow tree scores 2.9 / 3.6 ms = 806 /s, the wide one 825 /s: no switch
+    # from narrow with a 5 % margin, although the wide tree is better.
+    policy = make_policy(initial=NARROW, patience=1)
+    assert set(run(policy, 1, 50)) == {NARROW}
+    assert policy.counters.switches == 0
+
+
+def test_a_flapping_batch_size_does_not_switch():
+    # bs 16 favours the chain, bs 1 the wide tree: alternating, no challenger lasts 3 decisions.
+    policy = make_policy(patience=3)
+    for _ in range(20):
+        policy.choose(16)
+        policy.choose(1)
+    assert policy.current == WIDE and policy.counters.switches == 0
+
+
+def test_measured_acceptance_moves_the_choice():
+    policy = make_policy(patience=2)
+    for _ in range(30):
+        policy.observe_accept(WIDE, [1, 1, 2, 1])  # the draft stopped agreeing
+    assert policy.accept_length[WIDE] == pytest.approx(1.25, abs=0.01)
+    # bs 1 then prefers the narrow tree (2.9 / 3.6 ms against 1.25 / 4.0 ms).
+    assert run(policy, 1, 3) == [WIDE, NARROW, NARROW]
+
+
+def test_no_speculation_keeps_accept_length_one():
+    policy = make_policy()
+    policy.observe_accept(NONE, [1, 1])
+    policy.observe_accept(WIDE, [])
+    assert policy.accept_length[NONE] == 1.0 and policy.accept_length[WIDE] == 3.3
+
+
+def test_measured_step_time_moves_the_choice():
+    policy = make_policy(patience=1, ema_alpha=1.0)
+    # The wide tree turns out three times as slow at bs 1 as its table said.
+    policy.observe_step_time(WIDE, 1, 12.0e-3)
+    assert run(policy, 1, 2) == [NARROW, NARROW]
+
+
+def test_an_idle_shape_close_to_the_best_is_probed_then_left():
+    # At bs 1 the narrow tree is within the 5 % margin of the wide one: after probe_interval
+    # steps it runs probe_steps steps, then the wide tree resumes; far shapes are never probed.
+    policy = make_policy(patience=50, probe_interval=20, probe_steps=4)
+    shapes = run(policy, 1, 60)
+    assert shapes[:20] == [WIDE] * 20
+    assert shapes[20:24] == [NARROW] * 4
+    assert shapes[24:44] == [WIDE] * 20
+    assert shapes[44:48] == [NARROW] * 4
+    assert policy.counters.probes == 2
+    assert policy.counters.switches == 0
+    assert "none" not in policy.counters.steps and "1,3,4" not in policy.counters.steps
+
+
+def test_a_probe_that_measures_well_wins_the_next_decision():
+    policy = make_policy(patience=1, probe_interval=5, probe_steps=2)
+    shapes = run(policy, 1, 6)
+    assert shapes == [WIDE] * 5 + [NARROW]  # idle for 5 steps: the probe starts
+    policy.observe_accept(NARROW, [5, 5, 5, 5])
+    policy.observe_accept(NARROW, [5, 5, 5, 5])
+    # 3.9 accepted in 3.6 ms now beats 3.3 in 4.0 ms by more than the margin.
+    assert run(policy, 1, 3) == [NARROW, NARROW, NARROW]
+    assert policy.counters.switches == 1
