@@ -96,15 +96,21 @@ def test_tree_runs_spec_v2_with_page_size_1(pair, caplog):
     ]
 
 
+# Tree 4,3,8 with pages of 16: what the paged-tree decisions below start from.
+PAGED_TREE = dict(
+    speculative_eagle_topk=4,
+    speculative_num_steps=3,
+    speculative_num_draft_tokens=8,
+    page_size=16,
+)
+
+
 def test_tree_with_pages_on_fa3_spec_v1_keeps_its_pages(pair, caplog):
     """Spec v1 lays branches out in their own pages, which fa3's page table reads as they are."""
     with caplog.at_level(logging.WARNING):
         args = server_args(
             pair,
-            speculative_eagle_topk=4,
-            speculative_num_steps=3,
-            speculative_num_draft_tokens=8,
-            page_size=16,
+            **PAGED_TREE,
             attention_backend="fa3",
             disable_overlap_schedule=True,
         )
@@ -153,17 +159,19 @@ def test_inconsistent_tree_shapes_are_config_errors(pair, topk, steps, tokens, m
         )
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer", "fa3"])
-def test_tree_with_pages_runs_spec_v2_on_every_tree_backend(pair, caplog, backend):
+@pytest.mark.parametrize(
+    "backends",
+    [
+        {"attention_backend": "triton"},
+        {"attention_backend": "flashinfer"},
+        {"attention_backend": "fa3"},
+        {"attention_backend": "fa3", "speculative_draft_attention_backend": "triton"},
+    ],
+    ids=["triton", "flashinfer", "fa3", "fa3-target-triton-draft"],
+)
+def test_tree_with_pages_runs_spec_v2_on_every_tree_backend(pair, caplog, backends):
     with caplog.at_level(logging.WARNING):
-        args = server_args(
-            pair,
-            speculative_eagle_topk=4,
-            speculative_num_steps=3,
-            speculative_num_draft_tokens=8,
-            page_size=16,
-            attention_backend=backend,
-        )
+        args = server_args(pair, **PAGED_TREE, **backends)
     assert args.disable_overlap_schedule is False
     assert spec_warnings(caplog) == [
         "Spec v2 (overlap scheduler) is used for eagle speculative decoding (topk=4)."
@@ -182,10 +190,7 @@ def test_tree_with_pages_on_triton_spec_v1_is_refused(pair):
     ):
         server_args(
             pair,
-            speculative_eagle_topk=4,
-            speculative_num_steps=3,
-            speculative_num_draft_tokens=8,
-            page_size=16,
+            **PAGED_TREE,
             disable_overlap_schedule=True,
         )
 
@@ -514,22 +519,6 @@ def test_server_args_decide_on_the_draft_backend_too(
         assert reason in message
 
 
-def test_paged_tree_with_an_fa3_target_and_a_triton_draft_runs_spec_v2(pair, caplog):
-    with caplog.at_level(logging.WARNING):
-        args = server_args(
-            pair,
-            speculative_eagle_topk=4,
-            speculative_num_steps=3,
-            speculative_num_draft_tokens=8,
-            page_size=16,
-            attention_backend="fa3",
-            speculative_draft_attention_backend="triton",
-        )
-    assert args.disable_overlap_schedule is False
-    [message] = spec_warnings(caplog)
-    assert message.startswith("Spec v2")
-
-
 def test_paged_tree_with_a_triton_draft_backend_on_spec_v1_is_refused(pair):
     """A paged tree that lands on spec v1 (overlap disabled here) with a triton draft is wrong."""
     with pytest.raises(
@@ -539,10 +528,7 @@ def test_paged_tree_with_a_triton_draft_backend_on_spec_v1_is_refused(pair):
     ):
         server_args(
             pair,
-            speculative_eagle_topk=4,
-            speculative_num_steps=3,
-            speculative_num_draft_tokens=8,
-            page_size=16,
+            **PAGED_TREE,
             attention_backend="fa3",
             speculative_draft_attention_backend="triton",
             disable_overlap_schedule=True,
