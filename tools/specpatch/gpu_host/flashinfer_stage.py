@@ -134,18 +134,19 @@ def collect(out_dir: Path, module_roots: list[Path]) -> list[str]:
     return sorted(modules)
 
 
-# The modules sglang's flashinfer backend loads for a bf16 MHA model of one head_dim (verify,
-# draft extend and prefill: the FA2 and, on Hopper, the FA3 prefill; decode; its RMSNorm and the
-# packbits of the tree mask), by FlashInfer's generator arguments: (dtype_q, dtype_kv, dtype_o,
-# dtype_idx, head_dim_qk, head_dim_vo, pos_encoding_mode, use_sliding_window,
-# use_logits_soft_cap[, use_fp16_qk_reduction]).
+# The GPU host's architecture (H100 / H200).
 PREBUILD_ARCH = "9.0a"
 # PyPI wheels whose headers FlashInfer's sources include and a bare nvcc install lacks.
 HEADER_WHEELS = ("nvidia-cublas>=13,<14", "nvidia-curand>=10.4,<11")
 
 
 def module_specs(head_dims: list[int]) -> list:
-    """FlashInfer JitSpecs of the modules a bf16 MHA model of these head dims loads."""
+    """FlashInfer JitSpecs of the modules sglang's flashinfer backend loads for a bf16 MHA
+    model of these head dims: per head_dim the decode and the FA2 and FA3 (Hopper) prefill
+    (verify, draft extend, prefill), by FlashInfer's generator arguments (dtype_q, dtype_kv,
+    dtype_o, dtype_idx, head_dim_qk, head_dim_vo, pos_encoding_mode, use_sliding_window,
+    use_logits_soft_cap[, use_fp16_qk_reduction]); once, its RMSNorm and the packbits of the
+    tree mask."""
     import torch
     from flashinfer.jit.attention import (
         gen_batch_decode_module,
@@ -199,8 +200,10 @@ def _cudart() -> Path:
             found = sorted(Path(root, sub).glob("libcudart.so*"))
             if found:
                 return found[0]
-    import nvidia
-
+    try:
+        import nvidia
+    except ImportError:
+        raise SystemExit("flashinfer_stage: prebuild found no libcudart.so") from None
     for package in nvidia.__path__:
         found = sorted(Path(package).glob("*/lib/libcudart.so*"))
         if found:
@@ -214,6 +217,15 @@ def prebuild(out_dir: Path, head_dims: list[int], cache: Path, jobs: int) -> lis
     if shutil.which("nvcc") is None:
         raise SystemExit("flashinfer_stage: prebuild needs nvcc on PATH")
     work = Path(tempfile.mkdtemp(prefix="flashinfer-prebuild-"))
+    try:
+        return _prebuild_in(work, out_dir, head_dims, cache, jobs)
+    finally:
+        shutil.rmtree(work)
+
+
+def _prebuild_in(
+    work: Path, out_dir: Path, head_dims: list[int], cache: Path, jobs: int
+) -> list[str]:
     libs = work / "lib"
     libs.mkdir()
     # The link names -lcudart -lcuda: the runtime links for real (its soname, libcudart.so.13,
@@ -247,10 +259,7 @@ def prebuild(out_dir: Path, head_dims: list[int], cache: Path, jobs: int) -> lis
         env={**os.environ, **env, "PYTHONPATH": _tools_path()},
         check=True,
     )
-    roots = sorted(work.glob(".cache/flashinfer/*/*/cached_ops"))
-    names = collect(out_dir, roots)
-    shutil.rmtree(work)
-    return names
+    return collect(out_dir, sorted(work.glob(".cache/flashinfer/*/*/cached_ops")))
 
 
 def _tools_path() -> str:
