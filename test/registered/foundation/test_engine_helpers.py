@@ -231,8 +231,18 @@ def test_leak_check_ignores_test_names_and_catches_sglang_reports():
 def test_server_port_leaves_room_for_the_derived_grpc_port():
     for seed in range(20):
         port = eng.free_server_port(random.Random(seed))
-        assert 20000 <= port < 50000
+        assert 20000 <= port < eng.ephemeral_port_floor() - 1000
         # ServerArgs derives port + 10000 and refuses anything past 65535.
         assert port + 10000 <= 65535
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # it was free when chosen, and nothing holds it
+
+
+def test_chosen_ports_stay_below_the_ephemeral_range(monkeypatch):
+    """An outgoing connection can take an ephemeral port between the choice and the server's
+    bind (which waits for the model to load); below the range nothing takes it."""
+    monkeypatch.setattr(eng, "ephemeral_port_floor", lambda: 30000)
+    start, stop = eng.chosen_port_range()
+    assert start == 20000 and stop == 30000 - 1100
+    ports = {eng.free_server_port(random.Random(seed)) for seed in range(50)}
+    assert max(ports) < stop

@@ -160,11 +160,34 @@ def dp_port_is_free(port: int) -> bool:
     )
 
 
+# Above what sglang derives from a port: nccl_port is port + 100..1000 (PortArgs.init_new).
+_DERIVED_PORT_SPAN = 1100
+
+
+def ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (ip_local_port_range)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def chosen_port_range() -> tuple[int, int]:
+    """[start, stop) for ports the tests pick. Below the ephemeral range: a server binds its port
+    only after loading the model, and in that window an outgoing connection (another engine's, or
+    the health poll's own, which can connect to itself) may be given the same port by the kernel;
+    "address already in use" then stops the server."""
+    return 20000, max(
+        20000 + _DERIVED_PORT_SPAN, ephemeral_port_floor() - _DERIVED_PORT_SPAN
+    )
+
+
 def free_dp_port(rng: random.Random | None = None, attempts: int = 200) -> int:
     """A `port` for a DP-attention engine whose TCP block is free now (dp_port_is_free)."""
     rng = rng or random.Random()
     for _ in range(attempts):
-        port = rng.randrange(20000, 40000)
+        port = rng.randrange(*chosen_port_range())
         if dp_port_is_free(port):
             return port
     raise RuntimeError(f"no free DP-attention port block found in {attempts} attempts")
@@ -256,12 +279,11 @@ def engine(**kwargs) -> Iterator[object]:
 
 
 def free_server_port(rng: random.Random | None = None, attempts: int = 200) -> int:
-    """A bindable `--port` whose derived ports are valid too: ServerArgs refuses a port above
-    55535 because it derives the gRPC port as port + 10000, and an ephemeral port often is.
-    """
+    """A bindable `--port` whose derived ports are valid too (ServerArgs refuses a port above
+    55535: it derives the gRPC port as port + 10000), from chosen_port_range."""
     rng = rng or random.Random()
     for _ in range(attempts):
-        port = rng.randrange(20000, 50000)
+        port = rng.randrange(*chosen_port_range())
         if _bindable(port):
             return port
     raise RuntimeError(f"no free server port found in {attempts} attempts")
