@@ -94,13 +94,16 @@ def test_collected_modules_come_back_as_aot_modules(store, tmp_path):
 
 
 # What sglang's flashinfer backend loaded on an H100 for the toy pair and the Qwen3 + EAGLE3 pair
-# (head_dim 64; flashinfer_stage collect, 2026-11-25): prebuild must make exactly these.
+# (head_dim 64), with the mission-command server (launch_server) adding cascade and sampling
+# (flashinfer_stage collect, 2026-11-25): prebuild must make exactly these.
 MODULES_LOADED_FOR_HEAD_DIM_64 = [
     "batch_decode_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_dtype_o_bf16_dtype_idx_i32_head_dim_qk_64_head_dim_vo_64_posenc_0_use_swa_False_use_logits_cap_False",
     "batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_dtype_o_bf16_dtype_idx_i32_head_dim_qk_64_head_dim_vo_64_posenc_0_use_swa_False_use_logits_cap_False_f16qk_False",
     "batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_dtype_o_bf16_dtype_idx_i32_head_dim_qk_64_head_dim_vo_64_posenc_0_use_swa_False_use_logits_cap_False_f16qk_False_sm90",
+    "cascade",
     "norm",
     "quantization",
+    "sampling",
 ]
 
 
@@ -113,7 +116,7 @@ def test_prebuild_makes_the_modules_the_gpu_host_loaded(monkeypatch):
     names = sorted(spec.name for spec in stage.module_specs([64]))
     assert names == MODULES_LOADED_FOR_HEAD_DIM_64
     with_128 = {spec.name for spec in stage.module_specs([64, 128])}
-    assert len(with_128) == 8
+    assert len(with_128) == 10
     assert {n for n in with_128 if "head_dim_qk_128" in n} == {
         n.replace("_64_", "_128_")
         for n in MODULES_LOADED_FOR_HEAD_DIM_64

@@ -145,18 +145,26 @@ def module_specs(head_dims: list[int]) -> list:
     model of these head dims: per head_dim the decode and the FA2 and FA3 (Hopper) prefill
     (verify, draft extend, prefill), by FlashInfer's generator arguments (dtype_q, dtype_kv,
     dtype_o, dtype_idx, head_dim_qk, head_dim_vo, pos_encoding_mode, use_sliding_window,
-    use_logits_soft_cap[, use_fp16_qk_reduction]); once, its RMSNorm and the packbits of the
-    tree mask."""
+    use_logits_soft_cap[, use_fp16_qk_reduction]); once, its RMSNorm, the packbits of the
+    tree mask, and what `launch_server` loads besides: cascade (merge_state) and sampling.
+    """
     import torch
     from flashinfer.jit.attention import (
         gen_batch_decode_module,
         gen_batch_prefill_module,
     )
+    from flashinfer.jit.cascade import gen_cascade_module
     from flashinfer.jit.norm import gen_norm_module
     from flashinfer.jit.quantization import gen_quantization_module
+    from flashinfer.jit.sampling import gen_sampling_module
 
     bf16, i32 = torch.bfloat16, torch.int32
-    specs = [gen_norm_module(), gen_quantization_module()]
+    specs = [
+        gen_norm_module(),
+        gen_quantization_module(),
+        gen_cascade_module(),
+        gen_sampling_module(),
+    ]
     for d in head_dims:
         common = (bf16, bf16, bf16, i32, d, d, 0, False, False)
         specs.append(gen_batch_decode_module(*common))
