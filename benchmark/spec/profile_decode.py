@@ -305,6 +305,8 @@ def profile_config(
                 max_total_tokens=eng.pool_tokens_for(target),
                 attention_backend=backend,
                 page_size=page_size,
+                # Only the profiled size: capturing sglang's default list is most of start-up.
+                cuda_graph_bs=[bs],
             )
         ) as e,
     ):

@@ -46,3 +46,15 @@ def test_config_names_carry_backend_and_page_size(name, expected):
 def test_unknown_config_name_is_refused():
     with pytest.raises(SystemExit, match="unknown config 'forest'"):
         bench_e2e.split_config("forest@fa3:16", "triton")
+
+
+def test_engines_capture_cuda_graphs_at_the_measured_batch_sizes_only(monkeypatch):
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    kwargs = bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "tree-v1@flashinfer:16", [16, 1, 4, 48, 4], "triton"
+    )
+    assert kwargs["cuda_graph_bs"] == [1, 4, 16, 48]
+    assert kwargs["max_running_requests"] == 48
+    assert kwargs["disable_cuda_graph"] is False
+    assert (kwargs["attention_backend"], kwargs["page_size"]) == ("flashinfer", 16)
+    assert kwargs["disable_overlap_schedule"] is True  # tree-v1 is spec v1
