@@ -6,7 +6,8 @@ all measured in one run (one GPU, one process after another), printed side by si
 
 Config names: none (no speculation), chain (v2, topk 1, the fast path), chain-general (the same
 with SGLANG_SPEC_CHAIN_FAST_PATH=0), tree (v2 tree drafting, --tree K,S,D), tree-v1 (the same
-tree on spec v1: what the base falls back to, i.e. --disable-overlap-schedule). A name may
+tree on spec v1: what the base falls back to, i.e. --disable-overlap-schedule), narrow (tree
+4,3,8), policy (the shape policy over --policy-shapes, docs/shape-policy.md). A name may
 end in @BACKEND to run that config on another attention backend than --attention-backend
 (tree@flashinfer,tree-v1@flashinfer,tree@triton), and then in :PAGE to run it with
 --page-size PAGE (tree@fa3:16,tree-v1@fa3:16; page size 1 without it). With both tree and tree-v1 (and chain)
@@ -39,7 +40,12 @@ CONFIGS = {
     "chain-general": (eng.SpecConfig(1, 3, 4), {"SGLANG_SPEC_CHAIN_FAST_PATH": "0"}),
     "tree": (eng.SpecConfig(4, 3, 8), {}),
     "tree-v1": (eng.SpecConfig(4, 3, 8, overlap=False), {}),
+    # A second, narrower fixed tree, and the shape policy over --policy-shapes (its first
+    # shape is the flags' own, the one run first): docs/shape-policy.md.
+    "narrow": (eng.SpecConfig(4, 3, 8), {}),
+    "policy": (eng.SpecConfig(16, 3, 32), {}),
 }
+POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4"]
 
 
 def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
@@ -48,6 +54,19 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
         eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
         {},
     )
+
+
+def set_policy_shapes(labels: list[str]) -> None:
+    first = (int(x) for x in labels[0].split(","))
+    CONFIGS["policy"] = (eng.SpecConfig(*first), {})
+    POLICY_SHAPES[:] = labels
+
+
+def policy_config_file() -> str:
+    """--speculative-adaptive-config of the policy config: its "shapes"."""
+    path = Path(tempfile.mkdtemp()) / "shape-policy.json"
+    path.write_text(json.dumps({"shapes": POLICY_SHAPES}))
+    return str(path)
 
 
 @contextlib.contextmanager
@@ -91,6 +110,11 @@ def engine_settings(
     """
     config, backend, page_size = split_config(name, attention_backend)
     spec, _ = CONFIGS[config]
+    policy = {}
+    if config == "policy":
+        policy = dict(
+            speculative_adaptive=True, speculative_adaptive_config=policy_config_file()
+        )
     return eng.engine_kwargs(
         target,
         draft,
@@ -100,6 +124,7 @@ def engine_settings(
         attention_backend=backend,
         page_size=page_size,
         cuda_graph_bs=sorted(set(batch_sizes)),
+        **policy,
     )
 
 
@@ -149,6 +174,12 @@ def main() -> None:
         default="4,3,8",
         help="topk,num_steps,num_draft_tokens of the tree configs",
     )
+    parser.add_argument(
+        "--policy-shapes",
+        default=" ".join(POLICY_SHAPES),
+        help='shapes of the "policy" config, space-separated TOPK,STEPS,DRAFT_TOKENS; '
+        "the first is run first",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--rounds",
@@ -184,6 +215,7 @@ def main() -> None:
         )
         return
     set_tree_shape(*(int(x) for x in args.tree.split(",")))
+    set_policy_shapes(args.policy_shapes.split())
 
     target, draft = ensure_pair(args.models, args.preset, args.agreement)
     vocab = synth.load_meta(target)["spec"]["vocab"]

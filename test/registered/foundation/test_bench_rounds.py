@@ -58,3 +58,28 @@ def test_engines_capture_cuda_graphs_at_the_measured_batch_sizes_only(monkeypatc
     assert kwargs["disable_cuda_graph"] is False
     assert (kwargs["attention_backend"], kwargs["page_size"]) == ("flashinfer", 16)
     assert kwargs["disable_overlap_schedule"] is True  # tree-v1 is spec v1
+
+
+def test_the_policy_config_runs_the_shape_policy_over_its_shapes(monkeypatch):
+    import json
+
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    saved = list(bench_e2e.POLICY_SHAPES), bench_e2e.CONFIGS["policy"]
+    try:
+        bench_e2e.set_policy_shapes(["4,3,8", "1,3,4"])
+        kwargs = bench_e2e.engine_settings(
+            Path("/t"), Path("/d"), "policy@fa3", [1, 48], "triton"
+        )
+    finally:
+        bench_e2e.POLICY_SHAPES[:], bench_e2e.CONFIGS["policy"] = saved
+    assert kwargs["speculative_adaptive"] is True
+    config = json.loads(Path(kwargs["speculative_adaptive_config"]).read_text())
+    assert config == {"shapes": ["4,3,8", "1,3,4"]}
+    shape = (
+        kwargs["speculative_eagle_topk"],
+        kwargs["speculative_num_steps"],
+        kwargs["speculative_num_draft_tokens"],
+    )
+    assert shape == (4, 3, 8)  # the first shape is the flags' own
+    fixed = bench_e2e.engine_settings(Path("/t"), Path("/d"), "narrow", [1], "triton")
+    assert "speculative_adaptive" not in fixed

@@ -28,6 +28,12 @@ KNOWN_REWRITES = {
         "0009-spec-v2-draft-extend-selects-next-input-in-graph.patch",
         "0006-kv-canary-wiring.patch",
     ),
+    # The eager next-input selection's width becomes the carried top-k: the re-cut gives
+    # 0009 that argument from the start.
+    (
+        "0024-spec-v2-shape-policy.patch",
+        "0009-spec-v2-draft-extend-selects-next-input-in-graph.patch",
+    ),
 }
 
 UPSTREAM_FILE = "a\nb\nc\nd\ne\nf\ng\n"

@@ -4,6 +4,9 @@ pair's config."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from specpatch.testing import synth
@@ -1049,3 +1052,98 @@ def test_server_args_refuse_the_triton_graph_case_of_the_mtp_gpu_test(
 def test_server_args_accept_the_mtp_gpu_test_cases(step3p5_config_dir, flags):
     args = step3p5_server_args(step3p5_config_dir, **flags)
     assert args.enable_multi_layer_eagle
+
+
+# ----------------------------------------------------------------------------- shape policy
+
+
+def _policy_args(tmp_path, shapes, **overrides):
+    path = tmp_path / "adaptive.json"
+    path.write_text(json.dumps({"shapes": shapes}))
+    return _hook_args(
+        **{
+            "speculative_adaptive": True,
+            "speculative_adaptive_config": str(path),
+            "enable_two_batch_overlap": False,
+            "enable_pdmux": False,
+            **overrides,
+        }
+    )
+
+
+def test_a_shape_policy_chooses_the_version_for_its_widest_tree(tmp_path, caplog):
+    """The flags' chain alone would run spec v2 on any backend; the set's tree decides."""
+    args = _policy_args(
+        tmp_path,
+        ["1,3,4", "16,3,32"],
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        attention_backend="flashinfer",
+    )
+    with caplog.at_level(logging.WARNING):
+        hook.handle_eagle_family(args, SimpleNamespace(), spec_v2_env_enabled=True)
+    assert args.disable_overlap_schedule is False
+
+    args = _policy_args(
+        tmp_path,
+        ["1,3,4", "16,3,32"],
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        enable_multi_layer_eagle=True,
+    )
+    with pytest.raises(ValueError, match="needs spec v2"):
+        hook.handle_eagle_family(args, SimpleNamespace(), spec_v2_env_enabled=True)
+
+
+@pytest.mark.parametrize(
+    "shapes,overrides,match",
+    [
+        (["16,3,32", "1,3,4"], {}, r"own shape 4,3,8 .* must be one of"),
+        (
+            ["4,3,8", "16,1,32"],
+            {},
+            r"shape 16,1,32: --speculative-num-draft-tokens 32 is larger",
+        ),
+        (["4,3,8", "1,3,4"], {"disable_overlap_schedule": True}, "needs spec v2"),
+        (
+            ["4,3,8", "1,3,4"],
+            {"enable_dp_attention": True, "speculative_algorithm": "EAGLE3"},
+            "needs no --enable-dp-attention",
+        ),
+        (
+            ["4,3,8", "1,3,4"],
+            {"speculative_algorithm": "STANDALONE"},
+            "EAGLE or EAGLE3",
+        ),
+        (["4,3,8", "1,3,4"], {"tp_size": 2}, r"needs one rank \(--tp-size 2"),
+    ],
+)
+def test_shape_policies_that_cannot_run_are_refused_at_start_up(
+    tmp_path, shapes, overrides, match
+):
+    args = _policy_args(tmp_path, shapes, **overrides)
+    with pytest.raises(ValueError, match="--speculative-adaptive-config") as err:
+        hook.handle_eagle_family(args, SimpleNamespace(), spec_v2_env_enabled=True)
+    assert re.search(match, str(err.value)), str(err.value)
+
+
+def test_server_args_keep_a_tree_policy_adaptive(pair, tmp_path):
+    """Upstream turns --speculative-adaptive off for topk != 1; a shape policy keeps it, and
+    the scheduler reserves KV for the set's largest shape."""
+    from sglang.srt.managers.utils import get_alloc_len_per_decode
+    from sglang.srt.speculative import shape_runtime
+
+    shape_runtime._cached_policy.cache_clear()
+    path = tmp_path / "adaptive.json"
+    path.write_text(json.dumps({"shapes": ["4,3,8", "16,3,32"]}))
+    args = server_args(
+        pair,
+        speculative_eagle_topk=4,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=8,
+        speculative_adaptive=True,
+        speculative_adaptive_config=str(path),
+    )
+    assert args.speculative_adaptive is True
+    assert args.disable_overlap_schedule is False
+    assert get_alloc_len_per_decode(args) == 48  # 16 x 3, not the running 4 x 3

@@ -652,6 +652,48 @@ def _attention_backends(server_args: ServerArgs) -> set[str]:
     }
 
 
+def shape_policy_for_flags(server_args: ServerArgs):
+    """The shape policy of --speculative-adaptive-config (a "shapes" key), every shape checked
+    as the shape flags are; None without one."""
+    if not getattr(server_args, "speculative_adaptive", False):
+        return None
+    from sglang.srt.speculative.shape_runtime import read_shape_policy
+
+    def check(shape) -> None:
+        try:
+            check_shape(shape.topk, shape.num_steps, shape.num_draft_tokens)
+        except ValueError as err:
+            raise ValueError(
+                f"--speculative-adaptive-config: shape {shape.label}: {err}"
+            ) from None
+
+    return read_shape_policy(server_args.speculative_adaptive_config, check)
+
+
+def policy_max_topk(policy) -> int:
+    return max(s.topk for s in policy.policy.shapes if s.speculates)
+
+
+def check_shape_policy_runs(server_args: ServerArgs, policy, use_spec_v2: bool) -> None:
+    """What a shape policy needs besides its shapes (ValueError before any GPU allocation)."""
+    from sglang.srt.speculative.shape_runtime import flags_shape, policy_unsupported
+
+    labels = [s.label for s in policy.policy.shapes]
+    own = flags_shape(server_args)
+    if own not in policy.policy.shapes:
+        raise ValueError(
+            f"--speculative-adaptive-config: the shape flags' own shape {own.label} "
+            f"(--speculative-eagle-topk, --speculative-num-steps, "
+            f'--speculative-num-draft-tokens) must be one of "shapes" {labels}: it is '
+            "the first shape run"
+        )
+    reason = policy_unsupported(server_args, use_spec_v2)
+    if reason is not None:
+        raise ValueError(
+            f'--speculative-adaptive-config with "shapes" {labels} needs {reason}'
+        )
+
+
 def handle_eagle_family(
     server_args: ServerArgs, hf_config, spec_v2_env_enabled: bool
 ) -> None:
@@ -673,15 +715,22 @@ def handle_eagle_family(
         if server_args.enable_dp_attention and server_args.disable_cuda_graph:
             raise ValueError(DP_ATTENTION_EAGER_TREE_ERROR.format(topk=topk))
 
+    # A shape policy may run any shape of its set: the version must suit the widest.
+    policy = shape_policy_for_flags(server_args)
+    version_topk = topk if policy is None else policy_max_topk(policy)
     version = choose_spec_version(
-        topk=topk,
+        topk=version_topk,
         overlap_disabled=server_args.disable_overlap_schedule,
         spec_v2_env_enabled=spec_v2_env_enabled,
         multi_layer=server_args.enable_multi_layer_eagle,
-        recurrent_reason=recurrent_layer_reason(hf_config) if topk > 1 else None,
+        recurrent_reason=(
+            recurrent_layer_reason(hf_config) if version_topk > 1 else None
+        ),
         attention_backends=backends,
-        mla_target=topk > 1 and server_args.use_mla_backend(),
+        mla_target=version_topk > 1 and server_args.use_mla_backend(),
     )
+    if policy is not None:
+        check_shape_policy_runs(server_args, policy, version.use_spec_v2)
     if topk > 1 and not version.use_spec_v2:
         check_spec_v1_paged_tree(topk, server_args.page_size, backends, version)
     check_sliding_window_draft_extend(server_args, hf_config, version)

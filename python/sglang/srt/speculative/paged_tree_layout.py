@@ -71,25 +71,30 @@ def req_to_token_extra_len(num_draft_tokens: int, alloc_len: int) -> int:
 
 def runs_spec_v2_trees(server_args) -> bool:
     """Whether a resolved ServerArgs drafts trees on spec v2 (the hook has chosen the
-    scheduler by the time any model runner reads this)."""
+    scheduler by the time any model runner reads this), at some step of a shape policy.
+    """
+    from sglang.srt.speculative.shape_runtime import carried_topk
+
     return (
         server_args.speculative_algorithm in _TREE_ALGORITHMS
-        and (server_args.speculative_eagle_topk or 1) > 1
+        and carried_topk(server_args) > 1
         and not server_args.disable_overlap_schedule
     )
 
 
 def req_to_token_extra_len_of(server_args) -> int:
     """The row slack for a resolved ServerArgs: upstream's unless it runs spec v2 trees."""
-    num_draft_tokens = server_args.speculative_num_draft_tokens or 0
+    from sglang.srt.speculative.shape_runtime import (
+        reserved_alloc_len,
+        reserved_num_draft_tokens,
+    )
+
+    if server_args.speculative_num_draft_tokens is None:
+        return UPSTREAM_ROW_SLACK
+    num_draft_tokens = reserved_num_draft_tokens(server_args)
     if not runs_spec_v2_trees(server_args):
         return UPSTREAM_ROW_SLACK + num_draft_tokens
-    alloc_len = alloc_len_per_decode(
-        server_args.speculative_eagle_topk,
-        server_args.speculative_num_steps,
-        num_draft_tokens,
-    )
-    return req_to_token_extra_len(num_draft_tokens, alloc_len)
+    return req_to_token_extra_len(num_draft_tokens, reserved_alloc_len(server_args))
 
 
 def attention_page_size(page_size: int, spec_v2_trees: bool) -> int:

@@ -1,0 +1,463 @@
+"""The runtime side of the speculation shape policy (docs/shape-policy.md): its config, what the
+scheduler reserves for a set of shapes, the per-shape runtime states and the switch between
+them before each decode step. The choice itself is shape_policy.ShapePolicy.
+
+A policy is configured by a "shapes" key in the --speculative-adaptive-config JSON that
+upstream's --speculative-adaptive reads; without it that file is upstream's step-only adaptive
+config and nothing here runs.
+
+What stays fixed while shapes switch:
+- the KV the scheduler reserves per request and step, and the req_to_token row slack: those
+  of the set's largest shape (reserved_alloc_len), so the next step may take any shape;
+- the draft's carried top-k (`EagleDraftInput.topk_p / topk_index: [bs, carried_topk]`),
+  computed at the set's largest topk by every draft extend; a step of topk k reads its first k
+  columns (top-k output is sorted, so they are the top-k of width k).
+What switches: everything upstream's SpecRuntimeState holds (draft decode / draft extend /
+target verify backends and CUDA graphs), the topk, and the topk == 1 chain table.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Deque, Mapping, Optional, Protocol
+
+from sglang.srt.speculative.shape_policy import (
+    CONFIG_FLAG,
+    NONE,
+    PolicyConfig,
+    Shape,
+    ShapePolicy,
+    StepCostTable,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
+logger = logging.getLogger(__name__)
+
+# Keys a shape-policy config may hold (PolicyConfig's, and the test knob below).
+POLICY_KEYS = frozenset(
+    {
+        "shapes",
+        "margin",
+        "patience",
+        "probe_interval",
+        "probe_steps",
+        "ema_alpha",
+        "force_switch_every",
+    }
+)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ShapePolicyConfig:
+    policy: PolicyConfig
+    # Testing: cycle through the speculating shapes every this many decode steps instead of
+    # choosing (token identity under switches does not depend on the choice).
+    force_switch_every: int = 0
+
+
+def read_shape_policy(
+    path: Optional[str], check_shape: Optional[Callable[[Shape], None]] = None
+) -> Optional[ShapePolicyConfig]:
+    """The shape policy of a --speculative-adaptive-config file, or None when the file has no
+    "shapes" key (upstream's step-only adaptive config). ValueError names what is wrong.
+    """
+    if path is None:
+        return None
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise ValueError(f"{CONFIG_FLAG} {path}: cannot be read: {err}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{CONFIG_FLAG} {path}: not JSON: {err}") from None
+    if not isinstance(raw, dict) or "shapes" not in raw:
+        return None
+    unknown = sorted(set(raw) - POLICY_KEYS)
+    if unknown:
+        raise ValueError(
+            f'{CONFIG_FLAG} {path}: unknown keys {unknown} next to "shapes" '
+            f"(known: {sorted(POLICY_KEYS)})"
+        )
+    if any(Shape.parse(s) == NONE for s in raw["shapes"] if isinstance(s, str)):
+        raise ValueError(
+            f'{CONFIG_FLAG} {path}: "none" in "shapes" is not supported yet: the draft '
+            "extend of a step without speculation has no runtime state (docs/shape-policy.md)"
+        )
+    every = raw.get("force_switch_every", 0)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(
+            f'{CONFIG_FLAG} {path}: "force_switch_every" must be an integer >= 0'
+        )
+    return ShapePolicyConfig(PolicyConfig.from_dict(raw, check_shape), every)
+
+
+def policy_unsupported(server_args, use_spec_v2: bool) -> Optional[str]:
+    """Why a shape policy cannot run with these flags (a phrase after "needs"), or None.
+
+    Shapes switch in spec v2's single-layer EAGLE worker only (EAGLEWorkerV2); DP ranks would
+    each choose on their own batch size, and the two-batch-overlap / PD-multiplexing wrappers
+    hold backends a switch does not replace (the reasons upstream's adaptive steps give). Tensor
+    and pipeline ranks would each choose from their own step times, and ranks running
+    different shapes deadlock in their collectives; choosing on one rank and sending the choice
+    with the batch is not built yet.
+    """
+    algorithm = server_args.speculative_algorithm
+    if algorithm not in ("EAGLE", "EAGLE3"):
+        return f"--speculative-algorithm EAGLE or EAGLE3, got {algorithm}"
+    if not use_spec_v2:
+        return "spec v2 (the overlap scheduler): these flags run spec v1"
+    for flag, size in (
+        ("--tp-size", getattr(server_args, "tp_size", 1)),
+        ("--pp-size", getattr(server_args, "pp_size", 1)),
+    ):
+        if size > 1:
+            return f"one rank ({flag} {size}: each rank would choose on its own)"
+    for flag, on in (
+        ("--enable-dp-attention", server_args.enable_dp_attention),
+        ("--enable-multi-layer-eagle", server_args.enable_multi_layer_eagle),
+        ("--enable-two-batch-overlap", server_args.enable_two_batch_overlap),
+        ("--enable-pdmux", server_args.enable_pdmux),
+    ):
+        if on:
+            return f"no {flag}"
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_policy(path: str) -> Optional[ShapePolicyConfig]:
+    # The hook validated the file at start-up; later readers only need its shapes.
+    return read_shape_policy(path)
+
+
+def shape_policy_of(server_args) -> Optional[ShapePolicyConfig]:
+    """The shape policy a resolved ServerArgs runs, or None."""
+    if not getattr(server_args, "speculative_adaptive", False):
+        return None
+    path = getattr(server_args, "speculative_adaptive_config", None)
+    return _cached_policy(path) if path is not None else None
+
+
+def flags_shape(server_args) -> Shape:
+    return Shape(
+        server_args.speculative_eagle_topk or 1,
+        server_args.speculative_num_steps or 1,
+        server_args.speculative_num_draft_tokens or 1,
+    )
+
+
+# ----------------------------------------------------------------------------- reservations
+
+
+def _alloc_len(shape: Shape) -> int:
+    from sglang.srt.speculative.paged_tree_layout import alloc_len_per_decode
+
+    return alloc_len_per_decode(shape.topk, shape.num_steps, shape.num_draft_tokens)
+
+
+def reserved_shapes(server_args) -> tuple[Shape, ...]:
+    """The shapes the next decode step may take: the policy's speculating shapes, else the
+    flags' own."""
+    config = shape_policy_of(server_args)
+    if config is None:
+        return (flags_shape(server_args),)
+    return tuple(s for s in config.policy.shapes if s.speculates)
+
+
+def reserved_alloc_len(server_args) -> int:
+    """KV positions a spec v2 step may write past seq_len, for any shape the step may take."""
+    return max(_alloc_len(s) for s in reserved_shapes(server_args))
+
+
+def reserved_num_draft_tokens(server_args) -> int:
+    return max(s.num_draft_tokens for s in reserved_shapes(server_args))
+
+
+def carried_topk(server_args) -> int:
+    """Width of the draft's carried top-k: the largest topk any step may read."""
+    return max(s.topk for s in reserved_shapes(server_args))
+
+
+# ----------------------------------------------------------------------------- runtime states
+
+
+@dataclass
+class ShapeRuntimeState:
+    """What a step of `shape` runs with: upstream's per-steps state plus the topk-dependent
+    parts (the chain table is keyed by num_steps alone, so each shape keeps its own)."""
+
+    shape: Shape
+    runtime: "SpecRuntimeState"
+    chain_drafts: object
+
+
+class ShapeWorker(Protocol):
+    """What ShapeController needs of a spec v2 worker (EAGLEWorkerV2 through the functions
+    below)."""
+
+    def build_shape_runtime_state(self, shape: Shape) -> ShapeRuntimeState: ...
+
+    def apply_shape_runtime_state(self, state: ShapeRuntimeState) -> None: ...
+
+
+def build_shape_runtime_state(worker, shape: Shape) -> ShapeRuntimeState:
+    """Backends and CUDA graphs of `shape` for an EAGLEWorkerV2: upstream's
+    build_adaptive_runtime_state with the topk overridden too."""
+    from sglang.srt.speculative.chain_draft import ChainDraftTable
+
+    dw, sa = worker.draft_worker, worker.server_args
+    saved = (worker.topk, dw.topk, sa.speculative_eagle_topk, dw.chain_drafts)
+    worker.topk = dw.topk = sa.speculative_eagle_topk = shape.topk
+    dw.chain_drafts = ChainDraftTable.for_server_args(sa, dw.device)
+    try:
+        runtime = worker.build_adaptive_runtime_state(
+            shape.num_steps, shape.num_draft_tokens
+        )
+        return ShapeRuntimeState(shape, runtime, dw.chain_drafts)
+    finally:
+        worker.topk, dw.topk, sa.speculative_eagle_topk, dw.chain_drafts = saved
+
+
+def current_runtime_state(worker, shape: Shape) -> ShapeRuntimeState:
+    """The state the worker was built with (the flags' shape), to register first."""
+    from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
+    dw = worker.draft_worker
+    runner = worker.target_worker.model_runner
+    return ShapeRuntimeState(
+        shape,
+        SpecRuntimeState(
+            speculative_num_steps=shape.num_steps,
+            speculative_num_draft_tokens=shape.num_draft_tokens,
+            draft_attn_backend=dw.draft_attn_backend,
+            cuda_graph_runner=dw.cuda_graph_runner,
+            target_attn_backend=runner.attn_backend,
+            target_graph_runner=runner.graph_runner,
+            draft_extend_attn_backend=dw.draft_extend_attn_backend,
+            cuda_graph_runner_for_draft_extend=dw.cuda_graph_runner_for_draft_extend,
+        ),
+        dw.chain_drafts,
+    )
+
+
+def apply_shape_runtime_state(worker, state: ShapeRuntimeState) -> None:
+    """Point an EAGLEWorkerV2 at `state`. Unlike upstream's apply_runtime_state this also
+    switches between shapes of equal num_steps (tree 16,3,32 and chain 1,3,4)."""
+    shape, rs = state.shape, state.runtime
+    dw, sa = worker.draft_worker, worker.server_args
+    for obj in (worker, dw):
+        obj.topk = shape.topk
+        obj.speculative_num_steps = shape.num_steps
+        obj.speculative_num_draft_tokens = shape.num_draft_tokens
+    dw.chain_drafts = state.chain_drafts
+    dw.draft_attn_backend = rs.draft_attn_backend
+    dw.draft_runner.draft_attn_backend = rs.draft_attn_backend
+    dw.cuda_graph_runner = rs.cuda_graph_runner
+    dw.draft_extend_attn_backend = rs.draft_extend_attn_backend
+    dw.cuda_graph_runner_for_draft_extend = rs.cuda_graph_runner_for_draft_extend
+    runner = worker.target_worker.model_runner
+    runner.attn_backend = rs.target_attn_backend
+    runner.graph_runner = rs.target_graph_runner
+    # Readers of server_args see the running shape, as with upstream's adaptive steps; the
+    # scheduler's reservations read the policy's set instead (reserved_alloc_len).
+    sa.speculative_eagle_topk = shape.topk
+    sa.speculative_num_steps = shape.num_steps
+    sa.speculative_num_draft_tokens = shape.num_draft_tokens
+
+
+# ----------------------------------------------------------------------------- the controller
+
+
+def prior_step_seconds(
+    shape: Shape, bs: int, base: float = 1e-3, verify_knee: int = 256
+) -> float:
+    """A rough step time before any step of `shape` ran at `bs`: a fixed price per draft step
+    and a verify that costs in proportion once bs * num_draft_tokens passes the knee where the
+    target stops being bound by reading its weights. Only the order it gives matters (the
+    first choice); measured steps replace it."""
+    tokens = bs * shape.num_draft_tokens
+    return base * (1 + 0.25 * shape.num_steps) * max(1.0, tokens / verify_knee)
+
+
+def prior_cost_table(
+    shapes: tuple[Shape, ...], max_bs: int, ema_alpha: float
+) -> StepCostTable:
+    sizes = sorted({1, max_bs} | {b for b in (2, 4, 8, 16, 32, 64, 128) if b < max_bs})
+    return StepCostTable(
+        {s: {bs: prior_step_seconds(s, bs) for bs in sizes} for s in shapes}, ema_alpha
+    )
+
+
+@dataclass
+class _Launch:
+    shape: Shape
+    bs: int
+    started: float
+
+
+class ShapeController:
+    """Chooses and applies a shape before each decode step; feeds the policy the accept
+    lengths and step times that come back.
+
+    With the overlap scheduler the result of step n is processed while step n + 1 runs:
+    launches queue up and each result is matched with the oldest launch (results come back
+    in launch order). A step's time is the time from its launch to the next decode launch,
+    which at steady state is the pipeline's time per step; a prefill in between discards it.
+    """
+
+    def __init__(
+        self,
+        worker: ShapeWorker,
+        config: ShapePolicyConfig,
+        initial: Shape,
+        max_bs: int,
+        clock: Callable[[], float] = time.perf_counter,
+        metrics: Optional["ShapeMetrics"] = None,
+    ):
+        self.worker = worker
+        self.config = config
+        shapes = tuple(s for s in config.policy.shapes if s.speculates)
+        self.policy = ShapePolicy(
+            config.policy,
+            prior_cost_table(config.policy.shapes, max_bs, config.policy.ema_alpha),
+            initial,
+        )
+        self._speculating = shapes
+        self._states: dict[Shape, ShapeRuntimeState] = {}
+        self._active = initial
+        self._clock = clock
+        self._metrics = metrics
+        self._pending: Deque[_Launch] = collections.deque()
+        self._last: Optional[_Launch] = None
+        self._decode_steps = 0
+
+    @property
+    def active(self) -> Shape:
+        return self._active
+
+    def register(self, state: ShapeRuntimeState) -> None:
+        self._states[state.shape] = state
+
+    def init_states(self) -> None:
+        """Build a runtime state for every speculating shape not registered yet."""
+        for shape in self._speculating:
+            if shape not in self._states:
+                self._states[shape] = self.worker.build_shape_runtime_state(shape)
+
+    def before_decode(self, bs: int) -> Shape:
+        """The shape of the decode step about to launch at batch size bs, applied."""
+        now = self._clock()
+        if self._last is not None:
+            self.policy.observe_step_time(
+                self._last.shape, self._last.bs, now - self._last.started
+            )
+        self._decode_steps += 1
+        every = self.config.force_switch_every
+        if every:
+            shape = self._speculating[
+                (self._decode_steps - 1) // every % len(self._speculating)
+            ]
+        else:
+            shape = self.policy.choose(bs)
+        if shape != self._active:
+            self.worker.apply_shape_runtime_state(self._states[shape])
+            logger.info(
+                "Speculation shape %s -> %s at bs %d (scores %.1f -> %.1f tok/s/req)",
+                self._active.label,
+                shape.label,
+                bs,
+                self.policy.score(self._active, bs),
+                self.policy.score(shape, bs),
+            )
+            if self._metrics is not None:
+                self._metrics.switched()
+            self._active = shape
+        if self._metrics is not None:
+            self._metrics.stepped(shape)
+        launch = _Launch(shape, bs, now)
+        self._pending.append(launch)
+        self._last = launch
+        return shape
+
+    def on_other_forward(self) -> None:
+        """A prefill (or any non-decode forward) ran: the next launch interval is not a step."""
+        self._last = None
+
+    def on_verify_complete(self, num_correct_drafts_per_req: list[int]) -> None:
+        if not self._pending:
+            return
+        launch = self._pending.popleft()
+        if launch.bs != len(num_correct_drafts_per_req):
+            # Not the launch this result belongs to (a launch without a result, e.g. a step
+            # that retracted): the queue is out of step; start over.
+            self._pending.clear()
+            return
+        self.policy.observe_accept(
+            launch.shape, [n + 1 for n in num_correct_drafts_per_req]
+        )
+
+
+def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
+    """The controller of an EAGLEWorkerV2 whose flags configure a shape policy (None
+    otherwise), with the state the worker was just built with registered as the first.
+    """
+    config = shape_policy_of(server_args)
+    if config is None:
+        return None
+    initial = flags_shape(server_args)
+    metrics = None
+    if server_args.enable_metrics:
+        metrics = ShapeMetrics(
+            {
+                "model_name": server_args.served_model_name or "",
+                "tp_rank": str(getattr(worker, "tp_rank", 0)),
+            }
+        )
+    controller = ShapeController(
+        worker,
+        config,
+        initial,
+        max_bs=server_args.cuda_graph_max_bs or 256,
+        metrics=metrics,
+    )
+    controller.register(current_runtime_state(worker, initial))
+    return controller
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class ShapeMetrics:
+    """sglang:spec_shape_steps_total{shape} and sglang:spec_shape_switches_total, labelled as
+    the scheduler's own metrics (SchedulerMetricsCollector)."""
+
+    def __init__(self, labels: Mapping[str, str]):
+        # After sglang set PROMETHEUS_MULTIPROC_DIR, as its collectors import it.
+        from prometheus_client import Counter
+
+        self._labels = dict(labels)
+        self._steps = Counter(
+            name="sglang:spec_shape_steps_total",
+            documentation="Decode steps run per speculation shape (topk,steps,draft tokens).",
+            labelnames=[*self._labels, "shape"],
+        )
+        self._switches = Counter(
+            name="sglang:spec_shape_switches_total",
+            documentation="Switches of the speculation shape between decode steps.",
+            labelnames=list(self._labels),
+        )
+
+    def stepped(self, shape: Shape) -> None:
+        self._steps.labels(**self._labels, shape=shape.label).inc()
+
+    def switched(self) -> None:
+        self._switches.labels(**self._labels).inc()

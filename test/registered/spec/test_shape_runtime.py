@@ -1,0 +1,369 @@
+"""speculative/shape_runtime.py: the shape policy's config, reservations, runtime states and
+the per-step switch, with a fake worker (docs/shape-policy.md)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.speculative import shape_runtime as rt
+from sglang.srt.speculative.shape_policy import Shape
+
+WIDE = Shape(16, 3, 32)
+NARROW = Shape(4, 3, 8)
+CHAIN = Shape(1, 3, 4)
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    rt._cached_policy.cache_clear()
+    yield
+    rt._cached_policy.cache_clear()
+
+
+def write_config(tmp_path, **raw) -> str:
+    path = tmp_path / "adaptive.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def args(config=None, topk=16, steps=3, tokens=32, **extra):
+    return SimpleNamespace(
+        speculative_adaptive=config is not None,
+        speculative_adaptive_config=config,
+        speculative_eagle_topk=topk,
+        speculative_num_steps=steps,
+        speculative_num_draft_tokens=tokens,
+        **extra,
+    )
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_a_config_without_shapes_is_upstreams_and_runs_no_policy(tmp_path):
+    assert rt.read_shape_policy(None) is None
+    steps_only = write_config(tmp_path, candidate_steps=[1, 3, 7])
+    assert rt.read_shape_policy(steps_only) is None
+    assert rt.shape_policy_of(args(steps_only)) is None
+
+
+def test_a_config_with_shapes_is_read_and_checked(tmp_path):
+    path = write_config(
+        tmp_path, shapes=["16,3,32", "4,3,8", "1,3,4"], patience=3, force_switch_every=2
+    )
+    checked = []
+    config = rt.read_shape_policy(path, checked.append)
+    assert config.policy.shapes == (WIDE, NARROW, CHAIN)
+    assert (config.policy.patience, config.force_switch_every) == (3, 2)
+    assert checked == [WIDE, NARROW, CHAIN]
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"shapes": ["16,3,32", "1,3,4"], "candidate_steps": [1, 3]}, "unknown keys"),
+        ({"shapes": ["16,3,32", "none"]}, '"none" in "shapes" is not supported yet'),
+        ({"shapes": ["16,3,32", "1,3,4"], "force_switch_every": -1}, "force_switch"),
+        ({"shapes": ["16,3,32"]}, "at least two shapes"),
+        ({"shapes": ["16,3,32", "16,3"]}, "is not TOPK,STEPS,DRAFT_TOKENS"),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_flag(tmp_path, raw, match):
+    with pytest.raises(ValueError, match="--speculative-adaptive-config") as err:
+        rt.read_shape_policy(write_config(tmp_path, **raw))
+    assert match in str(err.value)
+
+
+def test_unreadable_or_broken_config_files_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="cannot be read"):
+        rt.read_shape_policy(str(tmp_path / "missing.json"))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{shapes:")
+    with pytest.raises(ValueError, match="not JSON"):
+        rt.read_shape_policy(str(broken))
+
+
+# ----------------------------------------------------------------------------- reservations
+
+
+def test_reservations_cover_every_shape_of_the_set(tmp_path):
+    path = write_config(tmp_path, shapes=["1,3,4", "16,3,32", "2,7,12"])
+    server_args = args(path, topk=1, steps=3, tokens=4)  # the chain runs first
+    # alloc_len_per_decode = max(topk * steps, draft tokens): 4, 48, 14
+    assert rt.reserved_alloc_len(server_args) == 48
+    assert rt.reserved_num_draft_tokens(server_args) == 32
+    assert rt.carried_topk(server_args) == 16
+    # The running shape's server_args do not move the reservations.
+    server_args.speculative_eagle_topk = 2
+    assert rt.carried_topk(server_args) == 16
+
+
+def test_without_a_policy_the_flags_shape_is_reserved():
+    server_args = args(None, topk=4, steps=3, tokens=8)
+    assert rt.reserved_alloc_len(server_args) == 12
+    assert rt.carried_topk(server_args) == 4
+    no_spec = args(None, topk=None, steps=None, tokens=None)
+    assert rt.carried_topk(no_spec) == 1
+
+
+# ----------------------------------------------------------------------------- worker states
+
+
+def fake_eagle_worker():
+    """The attributes build/apply read and write on EAGLEWorkerV2, its draft worker, the
+    target's model runner and server_args."""
+    sa = args(None)
+    dw = SimpleNamespace(
+        topk=16,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=32,
+        device="cpu",
+        chain_drafts="wide chain table",
+        draft_attn_backend="wide draft",
+        draft_runner=SimpleNamespace(draft_attn_backend="wide draft"),
+        cuda_graph_runner="wide draft graphs",
+        draft_extend_attn_backend="wide extend",
+        cuda_graph_runner_for_draft_extend="wide extend graphs",
+    )
+    runner = SimpleNamespace(attn_backend="wide verify", graph_runner="wide graphs")
+    worker = SimpleNamespace(
+        topk=16,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=32,
+        server_args=sa,
+        draft_worker=dw,
+        target_worker=SimpleNamespace(model_runner=runner),
+    )
+    return worker
+
+
+def test_apply_switches_between_shapes_of_equal_steps():
+    from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
+    worker = fake_eagle_worker()
+    state = rt.ShapeRuntimeState(
+        CHAIN,
+        SpecRuntimeState(
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=4,
+            draft_attn_backend="chain draft",
+            cuda_graph_runner="chain draft graphs",
+            target_attn_backend="chain verify",
+            target_graph_runner="chain graphs",
+            draft_extend_attn_backend="chain extend",
+            cuda_graph_runner_for_draft_extend="chain extend graphs",
+        ),
+        "chain table",
+    )
+    rt.apply_shape_runtime_state(worker, state)
+    dw, runner, sa = (
+        worker.draft_worker,
+        worker.target_worker.model_runner,
+        worker.server_args,
+    )
+    assert (worker.topk, worker.speculative_num_draft_tokens) == (1, 4)
+    assert (dw.topk, dw.speculative_num_steps, dw.speculative_num_draft_tokens) == (
+        1,
+        3,
+        4,
+    )
+    assert dw.chain_drafts == "chain table"
+    assert dw.draft_attn_backend == dw.draft_runner.draft_attn_backend == "chain draft"
+    assert (dw.cuda_graph_runner, dw.cuda_graph_runner_for_draft_extend) == (
+        "chain draft graphs",
+        "chain extend graphs",
+    )
+    assert dw.draft_extend_attn_backend == "chain extend"
+    assert (runner.attn_backend, runner.graph_runner) == (
+        "chain verify",
+        "chain graphs",
+    )
+    assert (
+        sa.speculative_eagle_topk,
+        sa.speculative_num_steps,
+        sa.speculative_num_draft_tokens,
+    ) == (1, 3, 4)
+
+
+def test_build_overrides_the_topk_and_restores_it(monkeypatch):
+    from sglang.srt.speculative import chain_draft
+
+    worker = fake_eagle_worker()
+    seen = {}
+
+    def build_adaptive_runtime_state(steps, tokens):
+        dw = worker.draft_worker
+        seen.update(
+            steps=steps,
+            tokens=tokens,
+            topk=(worker.topk, dw.topk, worker.server_args.speculative_eagle_topk),
+            table=dw.chain_drafts,
+        )
+        return "runtime"
+
+    worker.build_adaptive_runtime_state = build_adaptive_runtime_state
+    monkeypatch.setattr(
+        chain_draft.ChainDraftTable,
+        "for_server_args",
+        classmethod(
+            lambda cls, sa, device: f"table for topk {sa.speculative_eagle_topk}"
+        ),
+    )
+    state = rt.build_shape_runtime_state(worker, NARROW)
+    assert seen == dict(steps=3, tokens=8, topk=(4, 4, 4), table="table for topk 4")
+    assert (state.shape, state.runtime, state.chain_drafts) == (
+        NARROW,
+        "runtime",
+        "table for topk 4",
+    )
+    dw = worker.draft_worker
+    assert (worker.topk, dw.topk, worker.server_args.speculative_eagle_topk) == (
+        16,
+    ) * 3
+    assert dw.chain_drafts == "wide chain table"
+
+    def fails(steps, tokens):
+        raise RuntimeError("capture failed")
+
+    worker.build_adaptive_runtime_state = fails
+    with pytest.raises(RuntimeError, match="capture failed"):
+        rt.build_shape_runtime_state(worker, CHAIN)
+    assert (worker.topk, dw.topk, dw.chain_drafts) == (16, 16, "wide chain table")
+
+
+# ----------------------------------------------------------------------------- the controller
+
+
+class FakeWorker:
+    def __init__(self):
+        self.built, self.applied = [], []
+
+    def build_shape_runtime_state(self, shape):
+        self.built.append(shape)
+        return rt.ShapeRuntimeState(shape, f"runtime {shape.label}", None)
+
+    def apply_shape_runtime_state(self, state):
+        self.applied.append(state.shape)
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.steps, self.switches = {}, 0
+
+    def stepped(self, shape):
+        self.steps[shape.label] = self.steps.get(shape.label, 0) + 1
+
+    def switched(self):
+        self.switches += 1
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_controller(tmp_path, initial=WIDE, **raw):
+    raw.setdefault("shapes", ["16,3,32", "4,3,8", "1,3,4"])
+    config = rt.read_shape_policy(write_config(tmp_path, **raw))
+    worker, clock, metrics = FakeWorker(), Clock(), FakeMetrics()
+    controller = rt.ShapeController(
+        worker, config, initial, max_bs=64, clock=clock, metrics=metrics
+    )
+    controller.register(rt.ShapeRuntimeState(initial, "built with the worker", None))
+    controller.init_states()
+    return controller, worker, clock, metrics
+
+
+def test_init_builds_every_shape_but_the_registered_one(tmp_path):
+    _, worker, _, _ = make_controller(tmp_path)
+    assert worker.built == [NARROW, CHAIN]
+
+
+def test_forced_switches_cycle_through_the_shapes(tmp_path):
+    controller, worker, _, metrics = make_controller(tmp_path, force_switch_every=2)
+    shapes = [controller.before_decode(8) for _ in range(7)]
+    assert shapes == [WIDE, WIDE, NARROW, NARROW, CHAIN, CHAIN, WIDE]
+    assert worker.applied == [NARROW, CHAIN, WIDE]
+    assert metrics.switches == 3
+    assert metrics.steps == {"16,3,32": 3, "4,3,8": 2, "1,3,4": 2}
+
+
+def test_results_feed_the_shape_that_launched_them(tmp_path):
+    """Overlap: the result of a step comes back after the next step launched, possibly with
+    another shape."""
+    controller, _, _, _ = make_controller(tmp_path, force_switch_every=1)
+    policy = controller.policy
+    before = dict(policy.accept_length)
+    assert controller.before_decode(2) == WIDE
+    assert controller.before_decode(2) == NARROW
+    controller.on_verify_complete([2, 2])  # WIDE's step: 3 tokens per request
+    assert policy.accept_length[NARROW] == before[NARROW]
+    a = policy.config.ema_alpha
+    assert policy.accept_length[WIDE] == pytest.approx((1 - a) * before[WIDE] + a * 3)
+    controller.on_verify_complete([0, 1])  # NARROW's step
+    assert policy.accept_length[NARROW] == pytest.approx(
+        (1 - a) * before[NARROW] + a * 1.5
+    )
+
+
+def test_a_result_of_another_batch_size_resets_the_queue(tmp_path):
+    controller, _, _, _ = make_controller(tmp_path, force_switch_every=1)
+    before = dict(controller.policy.accept_length)
+    controller.before_decode(4)
+    controller.before_decode(4)
+    controller.on_verify_complete([1, 1, 1])  # three requests: not a launch of four
+    controller.on_verify_complete([1, 1, 1, 1])  # queue was cleared: ignored
+    assert controller.policy.accept_length == before
+
+
+def test_step_time_is_the_launch_interval_unless_a_prefill_came_between(tmp_path):
+    controller, _, clock, _ = make_controller(tmp_path, force_switch_every=10)
+    costs = controller.policy.costs
+    controller.before_decode(1)
+    prior = costs.seconds(WIDE, 1)
+    clock.now += 0.010
+    controller.before_decode(1)  # WIDE's step at bs 1 took 10 ms
+    a = controller.policy.config.ema_alpha
+    assert costs.seconds(WIDE, 1) == pytest.approx((1 - a) * prior + a * 0.010)
+    measured = costs.seconds(WIDE, 1)
+    controller.on_other_forward()
+    clock.now += 5.0
+    controller.before_decode(1)
+    assert costs.seconds(WIDE, 1) == measured
+
+
+def test_the_policy_leaves_the_wide_tree_when_large_batches_make_it_slow(tmp_path):
+    controller, worker, clock, metrics = make_controller(tmp_path, patience=2)
+    for shape in (WIDE, NARROW, CHAIN):
+        # What each shape costs at bs 48, as measured: the wide tree's verify is 48 x 32 tokens.
+        step = {WIDE: 0.020, NARROW: 0.009, CHAIN: 0.0065}[shape]
+        for bs in (1, 32, 64):
+            for _ in range(40):
+                controller.policy.observe_step_time(shape, bs, step)
+    controller.policy.accept_length.update({WIDE: 3.3, NARROW: 2.9, CHAIN: 2.4})
+    chosen = []
+    for _ in range(4):
+        chosen.append(controller.before_decode(48))
+        clock.now += 0.01
+    assert chosen[-1] == CHAIN
+    assert worker.applied[-1] == CHAIN
+    assert metrics.switches >= 1
+
+
+def test_make_controller_registers_the_worker_as_built(tmp_path, monkeypatch):
+    path = write_config(tmp_path, shapes=["16,3,32", "1,3,4"])
+    worker = fake_eagle_worker()
+    worker.server_args = args(path, enable_metrics=False, cuda_graph_max_bs=48)
+    controller = rt.make_shape_controller(worker, worker.server_args)
+    assert controller.active == WIDE
+    state = controller._states[WIDE]
+    assert state.runtime.target_attn_backend == "wide verify"
+    assert state.runtime.cuda_graph_runner_for_draft_extend == "wide extend graphs"
+    assert state.chain_drafts == "wide chain table"
+    assert rt.make_shape_controller(worker, args(None)) is None
