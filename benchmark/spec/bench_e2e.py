@@ -28,7 +28,9 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from specpatch.testing import engine as eng  # noqa: E402
@@ -46,6 +48,8 @@ CONFIGS = {
     "policy": (eng.SpecConfig(16, 3, 32), {}),
 }
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4"]
+# The "bs" of a mixed-load row.
+MIXED = "mixed"
 
 
 def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
@@ -100,31 +104,52 @@ def split_config(name: str, default_backend: str) -> tuple[str, str, int]:
     return config, backend or default_backend, int(page or 1)
 
 
+@dataclass(frozen=True)
+class MixedLoad:
+    """`requests` requests of max_new_tokens each, arriving evenly over `ramp_seconds`: the
+    batch grows towards `requests` and shrinks back as they finish."""
+
+    requests: int
+    ramp_seconds: float
+
+    @classmethod
+    def parse(cls, text: str) -> "MixedLoad":
+        """ "64:2.5" -> 64 requests over 2.5 s."""
+        requests, _, seconds = text.partition(":")
+        return cls(int(requests), float(seconds))
+
+
 def engine_settings(
-    target, draft, name: str, batch_sizes: list[int], attention_backend: str
+    target,
+    draft,
+    name: str,
+    batch_sizes: list[int],
+    attention_backend: str,
+    mixed: Optional[MixedLoad] = None,
 ) -> dict:
     """Engine kwargs of config `name` for a run at `batch_sizes`. CUDA graphs are captured at
     exactly those sizes: sglang's default list for spec decoding up to bs 48 has 23 sizes,
     each captured for verify, draft and draft extend, which made engine start-up most of a
-    benchmark's time. A batch that shrinks as its requests finish pads to the next size.
-    """
+    benchmark's time. A batch that shrinks as its requests finish pads to the next size. A
+    mixed load runs every batch size, so it keeps sglang's list."""
     config, backend, page_size = split_config(name, attention_backend)
     spec, _ = CONFIGS[config]
-    policy = {}
+    extra = {}
     if config == "policy":
-        policy = dict(
+        extra.update(
             speculative_adaptive=True, speculative_adaptive_config=policy_config_file()
         )
+    if mixed is None:
+        extra["cuda_graph_bs"] = sorted(set(batch_sizes))
     return eng.engine_kwargs(
         target,
         draft,
         spec,
-        max_running_requests=max(batch_sizes),
+        max_running_requests=max([*batch_sizes, mixed.requests if mixed else 0]),
         max_total_tokens=eng.pool_tokens_for(target),
         attention_backend=backend,
         page_size=page_size,
-        cuda_graph_bs=sorted(set(batch_sizes)),
-        **policy,
+        **extra,
     )
 
 
@@ -137,12 +162,31 @@ def measure(
     vocab: int,
     repeats: int = 3,
     attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"],
+    mixed: Optional[MixedLoad] = None,
 ) -> list[dict]:
     config, _, _ = split_config(name, attention_backend)
     spec, env = CONFIGS[config]
     rows = []
-    kwargs = engine_settings(target, draft, name, batch_sizes, attention_backend)
+    kwargs = engine_settings(target, draft, name, batch_sizes, attention_backend, mixed)
     with scoped_env(env), eng.engine(**kwargs) as e:
+        if mixed is not None:
+            prompts = eng.random_prompts(mixed.requests, vocab, seed=99)
+            eng.ramp_generate(e, prompts, max_new_tokens, mixed.ramp_seconds)  # warm-up
+            run = max(
+                (
+                    eng.ramp_generate(e, prompts, max_new_tokens, mixed.ramp_seconds)
+                    for _ in range(repeats)
+                ),
+                key=lambda r: r.tok_per_s,
+            )
+            rows.append(
+                {
+                    "config": name,
+                    "bs": MIXED,
+                    "tok_per_s": run.tok_per_s,
+                    "accept_length": run.accept_length if spec else 1.0,
+                }
+            )
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
             best = eng.best_of(
@@ -179,6 +223,11 @@ def main() -> None:
         default=" ".join(POLICY_SHAPES),
         help='shapes of the "policy" config, space-separated TOPK,STEPS,DRAFT_TOKENS; '
         "the first is run first",
+    )
+    parser.add_argument(
+        "--mixed-load",
+        help="REQUESTS:RAMP_SECONDS: also run REQUESTS requests arriving evenly over "
+        "RAMP_SECONDS (the batch grows to about REQUESTS and back), a row with bs 'mixed'",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -237,6 +286,7 @@ def main() -> None:
                 args.max_new_tokens,
                 vocab,
                 repeats=args.repeats,
+                mixed=MixedLoad.parse(args.mixed_load) if args.mixed_load else None,
                 **backend,
             ):
                 r["engines"] = args.rounds
@@ -248,7 +298,7 @@ def main() -> None:
                     best[name, r["bs"]] = r
             if args.out:  # a run cut short still leaves the engines it finished
                 Path(args.out).write_text(json.dumps(list(best.values()), indent=1))
-    rows = sorted(best.values(), key=lambda r: (names.index(r["config"]), r["bs"]))
+    rows = sorted(best.values(), key=row_order(names))
 
     base = names[0]
     print(
@@ -291,6 +341,15 @@ def main() -> None:
         )
 
 
+def row_order(names: list[str]):
+    """Rows by config, then batch size, the mixed load last."""
+    return lambda r: (
+        names.index(r["config"]),
+        r["bs"] == MIXED,
+        0 if r["bs"] == MIXED else r["bs"],
+    )
+
+
 def round_ratios(
     per_round: dict[tuple, list], num: str, den: str
 ) -> dict[int, list[float]]:
@@ -327,7 +386,7 @@ def plot(rows: list[dict], names: list[str], png: str, title: str) -> None:
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     for name in names:
-        pts = [r for r in rows if r["config"] == name]
+        pts = [r for r in rows if r["config"] == name and r["bs"] != MIXED]
         ax.plot(
             [p["bs"] for p in pts],
             [p["tok_per_s"] for p in pts],

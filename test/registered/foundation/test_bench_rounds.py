@@ -83,3 +83,29 @@ def test_the_policy_config_runs_the_shape_policy_over_its_shapes(monkeypatch):
     assert shape == (4, 3, 8)  # the first shape is the flags' own
     fixed = bench_e2e.engine_settings(Path("/t"), Path("/d"), "narrow", [1], "triton")
     assert "speculative_adaptive" not in fixed
+
+
+def test_a_mixed_load_keeps_sglangs_graph_sizes_and_sorts_last(monkeypatch):
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    mixed = bench_e2e.MixedLoad.parse("64:2.5")
+    assert (mixed.requests, mixed.ramp_seconds) == (64, 2.5)
+    kwargs = bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "tree", [1, 4], "triton", mixed
+    )
+    assert "cuda_graph_bs" not in kwargs  # every batch size runs
+    assert kwargs["max_running_requests"] == 64
+    rows = [
+        {"config": "tree", "bs": "mixed"},
+        {"config": "none", "bs": 4},
+        {"config": "tree", "bs": 1},
+        {"config": "none", "bs": "mixed"},
+        {"config": "none", "bs": 1},
+    ]
+    ordered = sorted(rows, key=bench_e2e.row_order(["none", "tree"]))
+    assert [(r["config"], r["bs"]) for r in ordered] == [
+        ("none", 1),
+        ("none", 4),
+        ("none", "mixed"),
+        ("tree", 1),
+        ("tree", "mixed"),
+    ]

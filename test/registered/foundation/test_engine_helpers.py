@@ -246,3 +246,29 @@ def test_chosen_ports_stay_below_the_ephemeral_range(monkeypatch):
     assert start == 20000 and stop == 30000 - 1100
     ports = {eng.free_server_port(random.Random(seed)) for seed in range(50)}
     assert max(ports) < stop
+
+
+def test_ramp_generate_spreads_arrivals_and_times_the_whole_load(monkeypatch):
+    import asyncio
+
+    arrivals = []
+
+    class FakeEngine:
+        async def async_generate(self, input_ids, sampling_params):
+            arrivals.append((input_ids[0], asyncio.get_event_loop().time()))
+            await asyncio.sleep(0.01)
+            n = sampling_params["max_new_tokens"]
+            return {
+                "output_ids": [input_ids[0]] * n,
+                "meta_info": {"completion_tokens": n, "spec_verify_ct": n // 2},
+            }
+
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    prompts = [[i] for i in range(5)]
+    run = eng.ramp_generate(FakeEngine(), prompts, 8, ramp_seconds=0.2)
+    assert run.output_ids == [[i] * 8 for i in range(5)]  # in request order
+    assert (run.completion_tokens, run.verify_count) == (40, 20)
+    times = [t for _, t in sorted(arrivals)]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert all(0.03 <= g <= 0.08 for g in gaps), gaps  # 0.2 s / 5 requests
+    assert run.seconds >= 0.8 * 0.2

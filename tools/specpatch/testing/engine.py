@@ -386,6 +386,38 @@ def generate(
     )
 
 
+def ramp_generate(
+    eng, prompts: list[list[int]], max_new_tokens: int, ramp_seconds: float
+) -> GreedyRun:
+    """Greedy requests that arrive one by one, evenly over ramp_seconds (request i after
+    i * ramp_seconds / len(prompts)); timed from the first arrival to the last completion.
+    """
+    import asyncio
+
+    params = dict(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    gap = ramp_seconds / len(prompts)
+
+    async def arrive(i: int, prompt: list[int]) -> dict:
+        await asyncio.sleep(i * gap)
+        return await eng.async_generate(input_ids=prompt, sampling_params=params)
+
+    async def all_requests() -> list[dict]:
+        return await asyncio.gather(*(arrive(i, p) for i, p in enumerate(prompts)))
+
+    tic = time.perf_counter()
+    # sglang's Engine runs its tokenizer manager on the thread's event loop (Engine.generate).
+    outs = asyncio.get_event_loop().run_until_complete(all_requests())
+    seconds = time.perf_counter() - tic
+    meta = [o["meta_info"] for o in outs]
+    return GreedyRun(
+        output_ids=[list(o["output_ids"]) for o in outs],
+        seconds=seconds,
+        completion_tokens=sum(m["completion_tokens"] for m in meta),
+        verify_count=sum(m.get("spec_verify_ct", 0) for m in meta),
+        meta=meta,
+    )
+
+
 def best_of(
     eng, prompts: list[list[int]], max_new_tokens: int, repeats: int
 ) -> GreedyRun:
