@@ -251,13 +251,16 @@ class FakeWorker:
 
 class FakeMetrics:
     def __init__(self):
-        self.steps, self.switches = {}, 0
+        self.steps, self.switches, self.probes = {}, 0, 0
 
     def stepped(self, shape):
         self.steps[shape.label] = self.steps.get(shape.label, 0) + 1
 
     def switched(self):
         self.switches += 1
+
+    def probed(self):
+        self.probes += 1
 
 
 class Clock:
@@ -367,3 +370,46 @@ def test_make_controller_registers_the_worker_as_built(tmp_path, monkeypatch):
     assert state.runtime.cuda_graph_runner_for_draft_extend == "wide extend graphs"
     assert state.chain_drafts == "wide chain table"
     assert rt.make_shape_controller(worker, args(None)) is None
+
+
+def test_an_idle_shape_is_probed_and_counted(tmp_path):
+    controller, worker, clock, metrics = make_controller(
+        tmp_path, probe_interval=4, probe_steps=2
+    )
+    # Every step takes what the prior says all three shapes take at bs 1: equal scores, no
+    # switch, and the idle shapes' stale scores stay within the margin.
+    step = rt.prior_step_seconds(WIDE, 1)
+    assert step == rt.prior_step_seconds(CHAIN, 1)
+    shapes = []
+    for _ in range(12):
+        shapes.append(controller.before_decode(1))
+        clock.now += step
+    assert metrics.probes >= 1
+    assert NARROW in shapes or CHAIN in shapes
+    assert metrics.switches == sum(1 for a, b in zip([WIDE] + shapes, shapes) if a != b)
+
+
+def test_shape_metrics_export_with_sglang_names(monkeypatch):
+    import prometheus_client
+
+    registry = prometheus_client.CollectorRegistry()
+    for name in ("Counter",):
+        cls = getattr(prometheus_client, name)
+        monkeypatch.setattr(
+            prometheus_client,
+            name,
+            lambda *a, _cls=cls, **k: _cls(*a, registry=registry, **k),
+        )
+    metrics = rt.ShapeMetrics({"model_name": "m", "tp_rank": "0"})
+    metrics.stepped(WIDE)
+    metrics.stepped(WIDE)
+    metrics.stepped(CHAIN)
+    metrics.switched()
+    metrics.probed()
+    text = prometheus_client.generate_latest(registry).decode()
+    assert (
+        'sglang:spec_shape_steps_total{model_name="m",shape="16,3,32",tp_rank="0"} 2.0'
+        in text
+    )
+    assert 'sglang:spec_shape_switches_total{model_name="m",tp_rank="0"} 1.0' in text
+    assert 'sglang:spec_shape_probes_total{model_name="m",tp_rank="0"} 1.0' in text

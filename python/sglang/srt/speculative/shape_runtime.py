@@ -367,7 +367,10 @@ class ShapeController:
                 (self._decode_steps - 1) // every % len(self._speculating)
             ]
         else:
+            probes = self.policy.counters.probes
             shape = self.policy.choose(bs)
+            if self._metrics is not None and self.policy.counters.probes > probes:
+                self._metrics.probed()
         if shape != self._active:
             self.worker.apply_shape_runtime_state(self._states[shape])
             logger.info(
@@ -437,8 +440,9 @@ def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
 
 
 class ShapeMetrics:
-    """sglang:spec_shape_steps_total{shape} and sglang:spec_shape_switches_total, labelled as
-    the scheduler's own metrics (SchedulerMetricsCollector)."""
+    """sglang:spec_shape_steps_total{shape}, sglang:spec_shape_switches_total (every change
+    of the running shape, probes' included) and sglang:spec_shape_probes_total, labelled as the
+    scheduler's own metrics (SchedulerMetricsCollector)."""
 
     def __init__(self, labels: Mapping[str, str]):
         # After sglang set PROMETHEUS_MULTIPROC_DIR, as its collectors import it.
@@ -455,9 +459,17 @@ class ShapeMetrics:
             documentation="Switches of the speculation shape between decode steps.",
             labelnames=list(self._labels),
         )
+        self._probes = Counter(
+            name="sglang:spec_shape_probes_total",
+            documentation="Probes: a few steps of an idle shape, to refresh its acceptance.",
+            labelnames=list(self._labels),
+        )
 
     def stepped(self, shape: Shape) -> None:
         self._steps.labels(**self._labels, shape=shape.label).inc()
 
     def switched(self) -> None:
         self._switches.labels(**self._labels).inc()
+
+    def probed(self) -> None:
+        self._probes.labels(**self._labels).inc()
