@@ -229,6 +229,12 @@ def main() -> None:
         help="REQUESTS:RAMP_SECONDS: also run REQUESTS requests arriving evenly over "
         "RAMP_SECONDS (the batch grows to about REQUESTS and back), a row with bs 'mixed'",
     )
+    parser.add_argument(
+        "--write-policy-config",
+        help="write a --speculative-adaptive-config with --policy-shapes and the step costs "
+        "this run measured for them (fixed-shape configs on --attention-backend, page 1): "
+        "seconds per step = bs x accept length / tok/s",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--rounds",
@@ -332,6 +338,10 @@ def main() -> None:
     for pair in filter(None, args.ratios.split(",")):
         num, den = pair.split("/")
         print_pair_ratios(rows, num, den, "tok_per_s", f"{num} / {den} tok/s")
+    if args.write_policy_config:
+        write_policy_config(
+            rows, POLICY_SHAPES, args.attention_backend, args.write_policy_config
+        )
     if args.png:
         plot(
             rows,
@@ -339,6 +349,43 @@ def main() -> None:
             args.png,
             f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}",
         )
+
+
+def measured_step_costs(rows: list[dict], backend: str) -> dict[str, dict[str, float]]:
+    """Seconds per decode step by shape label and batch size, from the rows of fixed-shape
+    spec v2 configs on `backend` at page size 1: a step commits accept_length tokens for
+    each of bs requests."""
+    costs: dict[str, dict[str, float]] = {}
+    for r in rows:
+        config, row_backend, page = split_config(r["config"], backend)
+        spec, _ = CONFIGS[config]
+        if (
+            config == "policy"
+            or spec is None
+            or not spec.overlap
+            or (row_backend, page) != (backend, 1)
+            or r["bs"] == MIXED
+        ):
+            continue
+        label = f"{spec.topk},{spec.num_steps},{spec.num_draft_tokens}"
+        seconds = r["bs"] * r["accept_length"] / r["tok_per_s"]
+        costs.setdefault(label, {})[str(r["bs"])] = seconds
+    return costs
+
+
+def write_policy_config(
+    rows: list[dict], shapes: list[str], backend: str, path: str
+) -> None:
+    costs = measured_step_costs(rows, backend)
+    missing = [s for s in shapes if s not in costs]
+    if missing:
+        print(
+            f"--write-policy-config: no {backend} rows for {missing}; nothing written"
+        )
+        return
+    config = {"shapes": shapes, "step_costs": {s: costs[s] for s in shapes}}
+    Path(path).write_text(json.dumps(config, indent=1))
+    print(f"--write-policy-config: wrote {path}")
 
 
 def row_order(names: list[str]):

@@ -109,3 +109,32 @@ def test_a_mixed_load_keeps_sglangs_graph_sizes_and_sorts_last(monkeypatch):
         ("tree", 1),
         ("tree", "mixed"),
     ]
+
+
+def test_measured_rows_become_a_policy_config(tmp_path, capsys):
+    import json
+
+    rows = [
+        {"config": "tree", "bs": 4, "tok_per_s": 2000.0, "accept_length": 3.0},
+        {"config": "chain", "bs": 4, "tok_per_s": 2400.0, "accept_length": 2.4},
+        {"config": "chain@fa3", "bs": 4, "tok_per_s": 9e9, "accept_length": 2.4},
+        {"config": "tree:16", "bs": 4, "tok_per_s": 9e9, "accept_length": 3.0},
+        {"config": "tree-v1", "bs": 4, "tok_per_s": 9e9, "accept_length": 3.0},
+        {"config": "none", "bs": 4, "tok_per_s": 9e9, "accept_length": 1.0},
+        {"config": "tree", "bs": "mixed", "tok_per_s": 9e9, "accept_length": 3.0},
+    ]
+    saved = bench_e2e.CONFIGS["tree"], bench_e2e.CONFIGS["tree-v1"]
+    try:
+        bench_e2e.set_tree_shape(16, 3, 32)
+        path = tmp_path / "policy.json"
+        bench_e2e.write_policy_config(rows, ["16,3,32", "1,3,4"], "triton", str(path))
+        config = json.loads(path.read_text())
+        assert config["shapes"] == ["16,3,32", "1,3,4"]
+        assert config["step_costs"]["16,3,32"] == {"4": pytest.approx(4 * 3.0 / 2000)}
+        assert config["step_costs"]["1,3,4"] == {"4": pytest.approx(4 * 2.4 / 2400)}
+        missing = tmp_path / "none.json"
+        bench_e2e.write_policy_config(rows, ["4,3,8"], "triton", str(missing))
+        assert not missing.exists()
+        assert "no triton rows for ['4,3,8']" in capsys.readouterr().out
+    finally:
+        bench_e2e.CONFIGS["tree"], bench_e2e.CONFIGS["tree-v1"] = saved

@@ -162,3 +162,50 @@ def test_server_exports_shape_metrics(toy_pair, prompts, tmp_path, record_metric
     record_metric("shapes_exported", sorted(set(steps)))
     assert set(steps) == set(SHAPES)
     assert re.search(r"sglang:spec_shape_switches_total\{[^}]*\} [1-9]", metrics)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="--tp 2 needs two GPUs")
+def test_tp2_with_given_step_costs_chooses_alike_on_both_ranks(
+    toy_pair, prompts, tmp_path, capfd, record_metric
+):
+    """Given step costs make every rank's choice the same; a rank on another shape would
+    hang in the collectives, so finishing identical is the check."""
+    target, draft = toy_pair
+    expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
+    path = tmp_path / "shape-policy.json"
+    path.write_text(
+        json.dumps(
+            {
+                "shapes": SHAPES,
+                "patience": 2,
+                # Crossovers within the run's batch sizes: the wide tree at bs 1, the chain at 48.
+                "step_costs": {
+                    "16,3,32": {"1": 0.004, "8": 0.006, "48": 0.020},
+                    "4,3,8": {"1": 0.0045, "8": 0.005, "48": 0.009},
+                    "1,3,4": {"1": 0.005, "8": 0.0052, "48": 0.0065},
+                },
+            }
+        )
+    )
+    kwargs = eng.engine_kwargs(
+        target,
+        draft,
+        WIDE,
+        tp_size=2,
+        speculative_adaptive=True,
+        speculative_adaptive_config=str(path),
+        log_level="info",
+    )
+    with eng.engine(**kwargs) as e:
+        for bs in BATCH_SIZES:
+            run = eng.generate(e, prompts[:bs], MAX_NEW_TOKENS)
+            eng.assert_identical(run, expected[:bs], f"tp2 bs {bs}")
+    seen = switches("".join(capfd.readouterr()))
+    record_metric("switches", [f"{a}->{b}@{bs}" for a, b, bs in seen][:20])
+    assert seen, "the given costs should have switched shapes between bs 1 and 48"

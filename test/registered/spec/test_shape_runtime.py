@@ -4,6 +4,7 @@ the per-step switch, with a fake worker (docs/shape-policy.md)."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -413,3 +414,62 @@ def test_shape_metrics_export_with_sglang_names(monkeypatch):
     )
     assert 'sglang:spec_shape_switches_total{model_name="m",tp_rank="0"} 1.0' in text
     assert 'sglang:spec_shape_probes_total{model_name="m",tp_rank="0"} 1.0' in text
+
+
+# ----------------------------------------------------------------------------- given step costs
+
+COSTS = {
+    "16,3,32": {"1": 0.004, "48": 0.020},
+    "4,3,8": {"1": 0.0036, "48": 0.009},
+    "1,3,4": {"1": 0.0034, "48": 0.0065},
+}
+
+
+def test_step_costs_are_read_for_every_shape(tmp_path):
+    config = rt.read_shape_policy(
+        write_config(tmp_path, shapes=["16,3,32", "4,3,8", "1,3,4"], step_costs=COSTS)
+    )
+    assert config.step_costs[WIDE] == {1: 0.004, 48: 0.020}
+    assert config.deterministic
+    plain = rt.read_shape_policy(write_config(tmp_path, shapes=["16,3,32", "1,3,4"]))
+    assert plain.step_costs is None and not plain.deterministic
+
+
+@pytest.mark.parametrize(
+    "costs,match",
+    [
+        ({"16,3,32": {"1": 0.004}}, r"lacks \['1,3,4'\]"),
+        ({**COSTS, "8,3,16": {"1": 0.1}}, 'names 8,3,16, which is not in "shapes"'),
+        ({**COSTS, "1,3,4": {"0": 0.1}}, "batch size 0 must be >= 1"),
+        ({**COSTS, "1,3,4": {"4": -1}}, "seconds > 0"),
+        ({**COSTS, "1,3,4": {"four": 0.1}}, "is not batch size: seconds"),
+        ({**COSTS, "1,3,4": {}}, "must map batch sizes to seconds"),
+        ([0.1], "must map shapes to"),
+    ],
+)
+def test_bad_step_costs_are_refused(tmp_path, costs, match):
+    shapes = ["16,3,32", "1,3,4"]
+    if isinstance(costs, dict):
+        costs = {k: v for k, v in costs.items() if k != "4,3,8"}
+    with pytest.raises(ValueError, match='"step_costs"') as err:
+        rt.read_shape_policy(write_config(tmp_path, shapes=shapes, step_costs=costs))
+    assert re.search(match, str(err.value)), str(err.value)
+
+
+def test_given_costs_decide_alike_on_every_rank(tmp_path):
+    """Two controllers (two tensor-parallel ranks) whose steps take different wall times
+    choose the same shapes from the same accept lengths."""
+    picks = []
+    for seconds_per_step in (0.001, 0.050):
+        controller, _, clock, _ = make_controller(
+            tmp_path, patience=2, step_costs=COSTS
+        )
+        chosen = []
+        for bs in [1] * 5 + [48] * 6 + [1] * 6:
+            chosen.append(controller.before_decode(bs))
+            controller.on_verify_complete([2] * bs)
+            clock.now += seconds_per_step
+        picks.append(chosen)
+        assert controller.policy.costs.seconds(WIDE, 48) == 0.020  # not refined
+    assert picks[0] == picks[1]
+    assert CHAIN in picks[0] and picks[0][0] == WIDE

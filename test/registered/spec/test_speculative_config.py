@@ -1115,7 +1115,7 @@ def test_a_shape_policy_chooses_the_version_for_its_widest_tree(tmp_path, caplog
             {"speculative_algorithm": "STANDALONE"},
             "EAGLE or EAGLE3",
         ),
-        (["4,3,8", "1,3,4"], {"tp_size": 2}, r"needs one rank \(--tp-size 2"),
+        (["4,3,8", "1,3,4"], {"tp_size": 2}, r'needs "step_costs" with --tp-size 2'),
     ],
 )
 def test_shape_policies_that_cannot_run_are_refused_at_start_up(
@@ -1147,3 +1147,18 @@ def test_server_args_keep_a_tree_policy_adaptive(pair, tmp_path):
     assert args.speculative_adaptive is True
     assert args.disable_overlap_schedule is False
     assert get_alloc_len_per_decode(args) == 48  # 16 x 3, not the running 4 x 3
+
+
+def test_a_shape_policy_with_given_step_costs_runs_tensor_parallel(tmp_path):
+    path = tmp_path / "adaptive.json"
+    costs = {"4,3,8": {"1": 0.004}, "1,3,4": {"1": 0.003}}
+    path.write_text(json.dumps({"shapes": ["4,3,8", "1,3,4"], "step_costs": costs}))
+    args = _hook_args(
+        speculative_adaptive=True,
+        speculative_adaptive_config=str(path),
+        enable_two_batch_overlap=False,
+        enable_pdmux=False,
+        tp_size=2,
+    )
+    hook.handle_eagle_family(args, SimpleNamespace(), spec_v2_env_enabled=True)
+    assert args.disable_overlap_schedule is False

@@ -687,7 +687,7 @@ def check_shape_policy_runs(server_args: ServerArgs, policy, use_spec_v2: bool) 
             f'--speculative-num-draft-tokens) must be one of "shapes" {labels}: it is '
             "the first shape run"
         )
-    reason = policy_unsupported(server_args, use_spec_v2)
+    reason = policy_unsupported(server_args, policy, use_spec_v2)
     if reason is not None:
         raise ValueError(
             f'--speculative-adaptive-config with "shapes" {labels} needs {reason}'

@@ -51,6 +51,7 @@ POLICY_KEYS = frozenset(
         "probe_steps",
         "ema_alpha",
         "force_switch_every",
+        "step_costs",
     }
 )
 
@@ -64,6 +65,16 @@ class ShapePolicyConfig:
     # Testing: cycle through the speculating shapes every this many decode steps instead of
     # choosing (token identity under switches does not depend on the choice).
     force_switch_every: int = 0
+    # Seconds per decode step by shape and batch size, given by the user (e.g. from a
+    # benchmark: bench_e2e --write-policy-config). Given costs stay fixed, so every rank of a
+    # tensor-parallel server makes the same choice from the same accept lengths; without
+    # them a prior stands in and measured steps refine it.
+    step_costs: Optional[dict[Shape, dict[int, float]]] = None
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether every rank chooses alike (no wall-clock input)."""
+        return bool(self.force_switch_every) or self.step_costs is not None
 
 
 def read_shape_policy(
@@ -98,18 +109,60 @@ def read_shape_policy(
         raise ValueError(
             f'{CONFIG_FLAG} {path}: "force_switch_every" must be an integer >= 0'
         )
-    return ShapePolicyConfig(PolicyConfig.from_dict(raw, check_shape), every)
+    policy = PolicyConfig.from_dict(raw, check_shape)
+    costs = None
+    if "step_costs" in raw:
+        costs = read_step_costs(raw["step_costs"], policy.shapes, path)
+    return ShapePolicyConfig(policy, every, costs)
 
 
-def policy_unsupported(server_args, use_spec_v2: bool) -> Optional[str]:
+def read_step_costs(
+    raw: object, shapes: tuple[Shape, ...], path: str
+) -> dict[Shape, dict[int, float]]:
+    """{"16,3,32": {"1": 0.004, "16": 0.008}, ...}: seconds per step for every speculating
+    shape of the set, at one batch size or more."""
+    where = f'{CONFIG_FLAG} {path}: "step_costs"'
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must map shapes to {{batch size: seconds}}")
+    costs = {}
+    for label, by_bs in raw.items():
+        shape = Shape.parse(label)
+        if shape not in shapes:
+            raise ValueError(f'{where} names {label}, which is not in "shapes"')
+        if not isinstance(by_bs, dict) or not by_bs:
+            raise ValueError(f"{where}[{label!r}] must map batch sizes to seconds")
+        points = {}
+        for bs, seconds in by_bs.items():
+            try:
+                size, value = int(bs), float(seconds)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"{where}[{label!r}]: {bs!r}: {seconds!r} is not batch size: seconds"
+                ) from None
+            if size < 1 or not value > 0:
+                raise ValueError(
+                    f"{where}[{label!r}]: batch size {size} must be >= 1 and its "
+                    f"seconds > 0, got {seconds!r}"
+                )
+            points[size] = value
+        costs[shape] = points
+    missing = [s.label for s in shapes if s.speculates and s not in costs]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    return costs
+
+
+def policy_unsupported(
+    server_args, config: ShapePolicyConfig, use_spec_v2: bool
+) -> Optional[str]:
     """Why a shape policy cannot run with these flags (a phrase after "needs"), or None.
 
     Shapes switch in spec v2's single-layer EAGLE worker only (EAGLEWorkerV2); DP ranks would
     each choose on their own batch size, and the two-batch-overlap / PD-multiplexing wrappers
     hold backends a switch does not replace (the reasons upstream's adaptive steps give). Tensor
-    and pipeline ranks would each choose from their own step times, and ranks running
-    different shapes deadlock in their collectives; choosing on one rank and sending the choice
-    with the batch is not built yet.
+    and pipeline ranks each run the policy: they choose alike only without wall-clock inputs,
+    i.e. with "step_costs" given (or forced switches); ranks on different shapes would deadlock
+    in their collectives.
     """
     algorithm = server_args.speculative_algorithm
     if algorithm not in ("EAGLE", "EAGLE3"):
@@ -120,8 +173,11 @@ def policy_unsupported(server_args, use_spec_v2: bool) -> Optional[str]:
         ("--tp-size", getattr(server_args, "tp_size", 1)),
         ("--pp-size", getattr(server_args, "pp_size", 1)),
     ):
-        if size > 1:
-            return f"one rank ({flag} {size}: each rank would choose on its own)"
+        if size > 1 and not config.deterministic:
+            return (
+                f'"step_costs" with {flag} {size} (ranks choosing from their own step '
+                "times would choose apart)"
+            )
     for flag, on in (
         ("--enable-dp-attention", server_args.enable_dp_attention),
         ("--enable-multi-layer-eagle", server_args.enable_multi_layer_eagle),
@@ -326,11 +382,13 @@ class ShapeController:
         self.worker = worker
         self.config = config
         shapes = tuple(s for s in config.policy.shapes if s.speculates)
-        self.policy = ShapePolicy(
-            config.policy,
-            prior_cost_table(config.policy.shapes, max_bs, config.policy.ema_alpha),
-            initial,
-        )
+        if config.step_costs is not None:
+            costs = StepCostTable(config.step_costs, config.policy.ema_alpha)
+        else:
+            costs = prior_cost_table(shapes, max_bs, config.policy.ema_alpha)
+        self.policy = ShapePolicy(config.policy, costs, initial)
+        # Given costs stay as given (deterministic across ranks); a prior is refined.
+        self._refine_costs = config.step_costs is None
         self._speculating = shapes
         self._states: dict[Shape, ShapeRuntimeState] = {}
         self._active = initial
@@ -356,7 +414,7 @@ class ShapeController:
     def before_decode(self, bs: int) -> Shape:
         """The shape of the decode step about to launch at batch size bs, applied."""
         now = self._clock()
-        if self._last is not None:
+        if self._last is not None and self._refine_costs:
             self.policy.observe_step_time(
                 self._last.shape, self._last.bs, now - self._last.started
             )
