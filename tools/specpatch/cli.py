@@ -1,4 +1,5 @@
-"""`specpatch` command line: build, status, manifest, tree, refresh-check, origins."""
+"""`specpatch` command line: build, status, manifest, tree, refresh-check, origins,
+same-tree."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 from specpatch import build as builder
-from specpatch import origins
+from specpatch import compare, origins
 from specpatch import series as quilt_series
 from specpatch import upstream
 
@@ -128,6 +129,25 @@ def cmd_origins(args: argparse.Namespace) -> int:
     return 1 if rewrites else 0
 
 
+def cmd_same_tree(args: argparse.Namespace) -> int:
+    """The checkout's series and the one committed at a revision make byte-identical trees."""
+    layout = builder.Layout(REPO)
+    wheel_path = upstream.fetch_wheel(args.python_tag, layout.cache).path
+    with tempfile.TemporaryDirectory(prefix="specpatch-old-series-") as scratch:
+        old_layout = compare.series_at_revision(REPO, args.revision, Path(scratch))
+        old = compare.patched_tree_digests(old_layout, wheel_path)
+    new = compare.patched_tree_digests(layout, wheel_path)
+    lines = compare.differences(old, new)
+    for line in lines:
+        print(line)
+    print(
+        f"same-tree: {len(lines)} file(s) differ from the series at {args.revision}"
+        if lines
+        else f"same-tree: identical to the series at {args.revision} ({len(new)} files)"
+    )
+    return 1 if lines else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specpatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--python-tag", default="cp311")
     p.set_defaults(func=cmd_origins)
+    p = sub.add_parser(
+        "same-tree",
+        help="fail unless the series makes the same tree as the one at a git revision",
+    )
+    p.add_argument("revision", help="e.g. main, or the commit before a re-cut")
+    p.add_argument("--python-tag", default="cp311")
+    p.set_defaults(func=cmd_same_tree)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
