@@ -7,7 +7,8 @@ all measured in one run (one GPU, one process after another), printed side by si
 Config names: none (no speculation), chain (v2, topk 1, the fast path), chain-general (the same
 with SGLANG_SPEC_CHAIN_FAST_PATH=0), tree (v2 tree drafting, --tree K,S,D), tree-v1 (the same
 tree on spec v1: what the base falls back to, i.e. --disable-overlap-schedule), narrow (tree
-4,3,8), policy (the shape policy over --policy-shapes, docs/shape-policy.md). A name may
+4,3,8), chain1 (chain 1,1,2: no draft forward), policy (the shape policy over --policy-shapes,
+docs/shape-policy.md). A name may
 end in @BACKEND to run that config on another attention backend than --attention-backend
 (tree@flashinfer,tree-v1@flashinfer,tree@triton), and then in :PAGE to run it with
 --page-size PAGE (tree@fa3:16,tree-v1@fa3:16; page size 1 without it). With both tree and tree-v1 (and chain)
@@ -45,9 +46,10 @@ CONFIGS = {
     # A second, narrower fixed tree, and the shape policy over --policy-shapes (its first
     # shape is the flags' own, the one run first): docs/shape-policy.md.
     "narrow": (eng.SpecConfig(4, 3, 8), {}),
+    "chain1": (eng.SpecConfig(1, 1, 2), {}),
     "policy": (eng.SpecConfig(16, 3, 32), {}),
 }
-POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4"]
+POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
 # The "bs" of a mixed-load row.
 MIXED = "mixed"
 
