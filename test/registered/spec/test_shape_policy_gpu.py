@@ -150,7 +150,7 @@ def test_server_exports_shape_metrics(toy_pair, prompts, tmp_path, record_metric
             f"{base}/generate",
             json={
                 "input_ids": prompts[:4],
-                "sampling_params": {"max_new_tokens": 32, "temperature": 0},
+                "sampling_params": {"max_new_tokens": 96, "temperature": 0},
             },
             timeout=120,
         ).raise_for_status()
