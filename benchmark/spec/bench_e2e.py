@@ -50,6 +50,9 @@ CONFIGS = {
     "policy": (eng.SpecConfig(16, 3, 32), {}),
 }
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
+# A --speculative-adaptive-config for the policy config (e.g. one --write-policy-config
+# wrote, with step costs); None: one with POLICY_SHAPES alone.
+POLICY_CONFIG: list[Optional[str]] = [None]
 # The "bs" of a mixed-load row.
 MIXED = "mixed"
 
@@ -62,6 +65,12 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
     )
 
 
+def set_policy_config(path: str) -> None:
+    """Run the policy config with this config file; its first shape is run first."""
+    POLICY_CONFIG[0] = path
+    set_policy_shapes(json.loads(Path(path).read_text())["shapes"])
+
+
 def set_policy_shapes(labels: list[str]) -> None:
     first = (int(x) for x in labels[0].split(","))
     CONFIGS["policy"] = (eng.SpecConfig(*first), {})
@@ -69,7 +78,10 @@ def set_policy_shapes(labels: list[str]) -> None:
 
 
 def policy_config_file() -> str:
-    """--speculative-adaptive-config of the policy config: its "shapes"."""
+    """--speculative-adaptive-config of the policy config: --policy-config, else its
+    "shapes"."""
+    if POLICY_CONFIG[0] is not None:
+        return POLICY_CONFIG[0]
     path = Path(tempfile.mkdtemp()) / "shape-policy.json"
     path.write_text(json.dumps({"shapes": POLICY_SHAPES}))
     return str(path)
@@ -232,6 +244,11 @@ def main() -> None:
         "RAMP_SECONDS (the batch grows to about REQUESTS and back), a row with bs 'mixed'",
     )
     parser.add_argument(
+        "--policy-config",
+        help="--speculative-adaptive-config of the policy config (e.g. one "
+        "--write-policy-config wrote); overrides --policy-shapes",
+    )
+    parser.add_argument(
         "--write-policy-config",
         help="write a --speculative-adaptive-config with --policy-shapes and the step costs "
         "this run measured for them (fixed-shape configs on --attention-backend, page 1): "
@@ -273,6 +290,8 @@ def main() -> None:
         return
     set_tree_shape(*(int(x) for x in args.tree.split(",")))
     set_policy_shapes(args.policy_shapes.split())
+    if args.policy_config:
+        set_policy_config(args.policy_config)
 
     target, draft = ensure_pair(args.models, args.preset, args.agreement)
     vocab = synth.load_meta(target)["spec"]["vocab"]

@@ -138,3 +138,28 @@ def test_measured_rows_become_a_policy_config(tmp_path, capsys):
         assert "no triton rows for ['4,3,8']" in capsys.readouterr().out
     finally:
         bench_e2e.CONFIGS["tree"], bench_e2e.CONFIGS["tree-v1"] = saved
+
+
+def test_a_written_policy_config_is_what_the_policy_config_runs(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    path = tmp_path / "policy.json"
+    path.write_text(
+        json.dumps(
+            {"shapes": ["4,3,8", "1,1,2"], "step_costs": {"4,3,8": {"1": 0.004}}}
+        )
+    )
+    saved = (
+        list(bench_e2e.POLICY_SHAPES),
+        bench_e2e.CONFIGS["policy"],
+        list(bench_e2e.POLICY_CONFIG),
+    )
+    try:
+        bench_e2e.set_policy_config(str(path))
+        kwargs = bench_e2e.engine_settings(Path("/t"), Path("/d"), "policy", [1], "x")
+    finally:
+        bench_e2e.POLICY_SHAPES[:], bench_e2e.CONFIGS["policy"] = saved[:2]
+        bench_e2e.POLICY_CONFIG[:] = saved[2]
+    assert kwargs["speculative_adaptive_config"] == str(path)
+    assert kwargs["speculative_eagle_topk"] == 4
