@@ -473,3 +473,75 @@ def test_given_costs_decide_alike_on_every_rank(tmp_path):
         assert controller.policy.costs.seconds(WIDE, 48) == 0.020  # not refined
     assert picks[0] == picks[1]
     assert CHAIN in picks[0] and picks[0][0] == WIDE
+
+
+# ----------------------------------------------------------------------------- a simulated load
+
+# What a step of each shape costs at each batch size and commits per request, shaped like the
+# 1.21B preset's measurements (docs/benchmarks.md): the wide tree's verify grows with bs * 32.
+TRUE_COSTS = {
+    WIDE: {1: 4.0e-3, 16: 8.0e-3, 48: 20.0e-3, 64: 26.0e-3},
+    NARROW: {1: 3.6e-3, 16: 5.0e-3, 48: 9.0e-3, 64: 11.0e-3},
+    CHAIN: {1: 3.4e-3, 16: 3.9e-3, 48: 6.5e-3, 64: 7.5e-3},
+}
+TRUE_ACCEPT = {WIDE: 3.3, NARROW: 2.9, CHAIN: 2.4}
+RAMP = [1, 2, 4, 8, 16, 32, 48, 64, 48, 32, 16, 8, 4, 2, 1]
+
+
+def true_seconds(shape, bs):
+    from sglang.srt.speculative.shape_policy import StepCostTable
+
+    return StepCostTable({shape: TRUE_COSTS[shape]}, 0.2).seconds(shape, bs)
+
+
+def correct_drafts(shape, bs, step):
+    """Accepted drafts per request whose mean over steps is TRUE_ACCEPT - 1."""
+    whole, frac = divmod(TRUE_ACCEPT[shape] - 1, 1)
+    return [
+        int(whole) + (((step * 64 + j) * 37) % 100 < round(frac * 100))
+        for j in range(bs)
+    ]
+
+
+def run_trace(choose, tokens_per_request=600):
+    """tokens and seconds per batch size of a load that ramps 1 -> 64 -> 1: at each batch
+    size, bs requests of tokens_per_request tokens (the same work for every config)."""
+    by_bs = {}
+    for bs in RAMP:
+        tokens, seconds = by_bs.get(bs, (0.0, 0.0))
+        done = 0.0
+        while done < bs * tokens_per_request:
+            shape = choose(bs)
+            done += bs * TRUE_ACCEPT[shape]
+            seconds += true_seconds(shape, bs)
+        by_bs[bs] = (tokens + done, seconds)
+    return by_bs
+
+
+def test_the_policy_tracks_the_best_shape_over_a_ramping_load(tmp_path):
+    """From the prior alone, measuring as it goes: within 5 % of the best fixed shape at each
+    batch size, and more tokens per second over the whole load than any fixed shape."""
+    controller, _, clock, _ = make_controller(tmp_path)
+    pending, steps = [], []
+
+    def choose(bs):
+        shape = controller.before_decode(bs)
+        clock.now += true_seconds(shape, bs)
+        # The overlap scheduler reads a step's result after launching the next one.
+        if pending:
+            controller.on_verify_complete(pending.pop())
+        pending.append(correct_drafts(shape, bs, len(steps)))
+        steps.append(shape)
+        return shape
+
+    policy = run_trace(choose)
+    fixed = {s: run_trace(lambda bs, s=s: s) for s in (WIDE, NARROW, CHAIN)}
+
+    def rate(by_bs, bs=None):
+        rows = [v for b, v in by_bs.items() if bs is None or b == bs]
+        return sum(t for t, _ in rows) / sum(s for _, s in rows)
+
+    for bs in set(RAMP):
+        best = max(rate(f, bs) for f in fixed.values())
+        assert rate(policy, bs) >= 0.95 * best, (bs, rate(policy, bs), best)
+    assert rate(policy) > max(rate(f) for f in fixed.values())
