@@ -545,3 +545,21 @@ def test_the_policy_tracks_the_best_shape_over_a_ramping_load(tmp_path):
         best = max(rate(f, bs) for f in fixed.values())
         assert rate(policy, bs) >= 0.95 * best, (bs, rate(policy, bs), best)
     assert rate(policy) > max(rate(f) for f in fixed.values())
+
+
+def test_worker_subclasses_with_their_own_init_have_the_policy_attributes():
+    """STANDALONE's spec v2 workers copy their parents' __init__ instead of calling it, and
+    inherit draft() and forward_batch_generation(), which read these attributes."""
+    from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
+    from sglang.srt.speculative.standalone_worker_v2 import (
+        StandaloneDraftWorker,
+        StandaloneWorkerV2,
+    )
+
+    assert issubclass(StandaloneDraftWorker, EagleDraftWorker)
+    assert issubclass(StandaloneWorkerV2, EAGLEWorkerV2)
+    worker = object.__new__(StandaloneWorkerV2)
+    assert worker.shape_controller is None
+    draft = object.__new__(StandaloneDraftWorker)
+    draft.server_args = args(None, topk=4, steps=3, tokens=8)
+    assert draft.carried_topk == 4
