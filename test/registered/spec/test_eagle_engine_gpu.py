@@ -15,6 +15,7 @@ import requests
 
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
+from specpatch.testing.marks import FLASHINFER_SKIP
 
 pytestmark = pytest.mark.gpu
 
@@ -22,9 +23,6 @@ README = Path(__file__).resolve().parents[3] / "README.md"
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 32, 128
 CHAIN = eng.SpecConfig(topk=1, num_steps=3, num_draft_tokens=4)
-FLASHINFER_SKIP = pytest.mark.skipif(
-    eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable())
-)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ import pytest
 
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
+from specpatch.testing.marks import FA3_SKIP
 
 pytestmark = pytest.mark.gpu
 
@@ -52,9 +53,6 @@ CHAIN = eng.SpecConfig(topk=1, num_steps=3, num_draft_tokens=4)
 BATCH_SIZES = (1, 8)
 MAX_NEW_TOKENS = 128
 
-FA3_SKIP = pytest.mark.skipif(
-    eng.fa3_unavailable() is not None, reason=str(eng.fa3_unavailable())
-)
 FA3 = pytest.param("fa3", marks=FA3_SKIP)
 
 

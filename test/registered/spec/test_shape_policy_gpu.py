@@ -12,6 +12,7 @@ import requests
 
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
+from specpatch.testing.marks import TREE_BACKENDS, TWO_GPUS
 
 pytestmark = pytest.mark.gpu
 
@@ -21,18 +22,6 @@ WIDE = eng.SpecConfig(16, 3, 32)  # the flags' shape: the first one run
 # 1,1,2 verifies one draft token that the draft extend already predicted: no draft forward.
 SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
 SWITCH = re.compile(r"Speculation shape (\S+) -> (\S+) at bs (\d+)")
-
-FLASHINFER_SKIP = pytest.mark.skipif(
-    eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable())
-)
-FA3_SKIP = pytest.mark.skipif(
-    eng.fa3_unavailable() is not None, reason=str(eng.fa3_unavailable())
-)
-BACKENDS = [
-    "triton",
-    pytest.param("flashinfer", marks=FLASHINFER_SKIP),
-    pytest.param("fa3", marks=FA3_SKIP),
-]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +52,7 @@ def switches(text: str) -> list[tuple[str, str, int]]:
     return [(a, b, int(bs)) for a, b, bs in SWITCH.findall(text)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TREE_BACKENDS)
 @pytest.mark.parametrize("cuda_graph", [True, False], ids=["graph", "eager"])
 def test_forced_switches_keep_token_identity(
     toy_pair, prompts, tmp_path, capfd, record_metric, backend, cuda_graph
@@ -161,13 +150,7 @@ def test_server_exports_shape_metrics(toy_pair, prompts, tmp_path, record_metric
     assert re.search(r"sglang:spec_shape_switches_total\{[^}]*\} [1-9]", metrics)
 
 
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-@pytest.mark.skipif(_gpu_count() < 2, reason="--tp 2 needs two GPUs")
+@TWO_GPUS
 def test_tp2_with_given_step_costs_chooses_alike_on_both_ranks(
     toy_pair, prompts, tmp_path, capfd, record_metric
 ):

@@ -12,17 +12,12 @@ import pytest
 
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
+from specpatch.testing.marks import FA3_SKIP, FLASHINFER_SKIP, gpu_count
 
 pytestmark = pytest.mark.gpu
 
 MAX_NEW_TOKENS = 48
 TREE = eng.SpecConfig(4, 3, 8)
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _prompts(target, n: int) -> list[list[int]]:
@@ -57,16 +52,8 @@ def test_eagle3_tree_v2_is_token_identical_to_no_spec(qwen3_eagle3_pair, record_
     assert run.accept_length > 1.3  # the first draft step alone agrees on ~70 %
 
 
-FLASHINFER_SKIP = pytest.mark.skipif(
-    eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable())
-)
-FA3_SKIP = pytest.mark.skipif(
-    eng.fa3_unavailable() is not None, reason=str(eng.fa3_unavailable())
-)
-
-
 @pytest.mark.skipif(
-    _gpu_count() < 2, reason="--dp 2 --tp 2 needs two GPUs (the nvidia-h200-x2 kind)"
+    gpu_count() < 2, reason="--dp 2 --tp 2 needs two GPUs (the nvidia-h200-x2 kind)"
 )
 @pytest.mark.parametrize(
     "backend",

@@ -10,6 +10,7 @@ import pytest
 
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
+from specpatch.testing.marks import FA3_SKIP, FLASHINFER_SKIP, TREE_BACKENDS, TWO_GPUS
 
 pytestmark = pytest.mark.gpu
 
@@ -27,23 +28,6 @@ TREE_SHAPES = [
     (eng.SpecConfig(2, 5, 12), False),
     (eng.SpecConfig(16, 3, 64), True),
     (eng.SpecConfig(16, 5, 64), False),
-]
-
-
-FLASHINFER_SKIP = pytest.mark.skipif(
-    eng.flashinfer_unavailable() is not None, reason=str(eng.flashinfer_unavailable())
-)
-
-
-FA3_SKIP = pytest.mark.skipif(
-    eng.fa3_unavailable() is not None, reason=str(eng.fa3_unavailable())
-)
-# Trees run spec v2 on all three; flashinfer is sglang's default backend for topk > 1, fa3
-# Hopper's for topk 1 and the one users pick there.
-BACKENDS = [
-    "triton",
-    pytest.param("flashinfer", marks=FLASHINFER_SKIP),
-    pytest.param("fa3", marks=FA3_SKIP),
 ]
 
 
@@ -94,7 +78,7 @@ def test_tree_v2_is_token_identical_to_no_spec(
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TREE_BACKENDS)
 def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(
     toy_pair, capfd, record_metric, backend
 ):
@@ -128,7 +112,7 @@ def test_tree_v2_under_retraction_keeps_identity_and_leaks_nothing(
 # A cold GPU host spends most of this test's first run compiling triton kernels (~270 s); the
 # limit still turns a hang into a failure.
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TREE_BACKENDS)
 def test_tree_v2_sampling_completes_with_valid_tokens(
     toy_pair, prompts, record_metric, backend
 ):
@@ -155,7 +139,7 @@ def test_tree_v2_sampling_completes_with_valid_tokens(
     assert run.accept_length > 1.0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TREE_BACKENDS)
 def test_tree_v2_logprobs_and_stop_inside_an_accepted_path(toy_pair, prompts, backend):
     """max_new_tokens that ends mid-path, and logprobs gathered along the tree path."""
     target, draft = toy_pair
@@ -178,20 +162,11 @@ def test_tree_v2_logprobs_and_stop_inside_an_accepted_path(toy_pair, prompts, ba
         assert all(lp > -1e-3 for lp, _, _ in logprobs), logprobs
 
 
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-TWO_GPUS = pytest.mark.skipif(
-    _gpu_count() < 2, reason="--tp 2 needs two GPUs (the nvidia-h200-x2 kind)"
-)
 TP2_SHAPES = [eng.SpecConfig(4, 3, 8), eng.SpecConfig(16, 3, 32)]
 
 
 @TWO_GPUS
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TREE_BACKENDS)
 @pytest.mark.parametrize("spec", TP2_SHAPES, ids=lambda s: s.label)
 def test_tree_v2_tp2_is_token_identical(
     toy_pair, prompts, spec, backend, record_metric

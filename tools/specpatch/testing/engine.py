@@ -353,6 +353,18 @@ class GreedyRun:
     verify_count: int = 0
     meta: list[dict] = field(default_factory=list)
 
+    @classmethod
+    def of_outputs(cls, outs: list[dict], seconds: float) -> "GreedyRun":
+        """From the Engine's outputs (output_ids and meta_info per request)."""
+        meta = [o["meta_info"] for o in outs]
+        return cls(
+            output_ids=[list(o["output_ids"]) for o in outs],
+            seconds=seconds,
+            completion_tokens=sum(m["completion_tokens"] for m in meta),
+            verify_count=sum(m.get("spec_verify_ct", 0) for m in meta),
+            meta=meta,
+        )
+
     @property
     def tok_per_s(self) -> float:
         return self.completion_tokens / self.seconds
@@ -376,14 +388,7 @@ def generate(
     tic = time.perf_counter()
     outs = eng.generate(input_ids=prompts, sampling_params=params)
     seconds = time.perf_counter() - tic
-    meta = [o["meta_info"] for o in outs]
-    return GreedyRun(
-        output_ids=[list(o["output_ids"]) for o in outs],
-        seconds=seconds,
-        completion_tokens=sum(m["completion_tokens"] for m in meta),
-        verify_count=sum(m.get("spec_verify_ct", 0) for m in meta),
-        meta=meta,
-    )
+    return GreedyRun.of_outputs(outs, seconds)
 
 
 def ramp_generate(
@@ -408,14 +413,7 @@ def ramp_generate(
     # sglang's Engine runs its tokenizer manager on the thread's event loop (Engine.generate).
     outs = asyncio.get_event_loop().run_until_complete(all_requests())
     seconds = time.perf_counter() - tic
-    meta = [o["meta_info"] for o in outs]
-    return GreedyRun(
-        output_ids=[list(o["output_ids"]) for o in outs],
-        seconds=seconds,
-        completion_tokens=sum(m["completion_tokens"] for m in meta),
-        verify_count=sum(m.get("spec_verify_ct", 0) for m in meta),
-        meta=meta,
-    )
+    return GreedyRun.of_outputs(outs, seconds)
 
 
 def best_of(
