@@ -18,7 +18,8 @@ source tools/gpu-env.sh || exit 1
 source tools/gpu-timeouts.sh
 model_cache=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}
 # Lanes go round-robin over the host's GPUs (lane N on GPU N mod count); GPU_LANES=0 keeps every
-# lane on what CUDA_VISIBLE_DEVICES already allows.
+# lane on what CUDA_VISIBLE_DEVICES already allows. A selection that starts with "@all " sees every
+# GPU (multi-GPU tests: --tp 2, DP attention) and shares them with the other lanes.
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "${GPU_LANES:-1}" = 0 ] && gpus=0
 pids=()
@@ -27,8 +28,13 @@ for selection in "$@"; do
   dir="$out/lane$lane"
   mkdir -p "$dir"
   echo "$selection" >"$dir/selection"
-  if [ "$gpus" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$((lane % gpus)); fi
-  SPECPATCH_MODEL_CACHE="$model_cache/lane$lane" timeout -s INT -k 60 "${LANE_TIMEOUT_S:-0}" python3 -m pytest test/registered -m gpu \
+  lane_env=(SPECPATCH_MODEL_CACHE="$model_cache/lane$lane")
+  if [ "${selection#@all }" != "$selection" ]; then
+    selection=${selection#@all }
+  elif [ "$gpus" -gt 1 ]; then
+    lane_env+=(CUDA_VISIBLE_DEVICES=$((lane % gpus)))
+  fi
+  env "${lane_env[@]}" timeout -s INT -k 60 "${LANE_TIMEOUT_S:-0}" python3 -m pytest test/registered -m gpu \
     -p no:cacheprovider -v --junitxml "$dir/gpu-junit.xml" $(per_test_timeout) -k "$selection" \
     >"$dir/gpu-tests.log" 2>&1 &
   pids+=($!)

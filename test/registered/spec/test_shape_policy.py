@@ -11,6 +11,7 @@ from sglang.srt.speculative.shape_policy import (
     Shape,
     ShapePolicy,
     StepCostTable,
+    prior_step_cost,
 )
 
 WIDE = Shape(16, 3, 32)
@@ -111,13 +112,40 @@ def test_the_flags_shape_must_be_in_the_set():
 # ----------------------------------------------------------------------------- step costs
 
 
-def test_step_costs_interpolate_and_hold_past_the_ends():
+def test_step_costs_interpolate_and_follow_the_prior_past_the_ends():
     table = StepCostTable({WIDE: COSTS[WIDE]}, ema_alpha=0.5)
     assert table.seconds(WIDE, 16) == 8.0e-3
     assert table.seconds(WIDE, 32) == pytest.approx(14.0e-3)
-    assert table.seconds(WIDE, 64) == 20.0e-3
-    table.observe(WIDE, 40, 30.0e-3)  # nearest measured point: 48
+    # Past the last point: that point, grown as the prior grows from bs 48 to 64.
+    grown = prior_step_cost(WIDE, 64) / prior_step_cost(WIDE, 48)
+    assert grown > 1.2
+    assert table.seconds(WIDE, 64) == pytest.approx(20.0e-3 * grown)
+    table.observe(WIDE, 48, 30.0e-3)  # a measured step moves its point halfway
     assert table.seconds(WIDE, 48) == pytest.approx(25.0e-3)
+    table.observe(WIDE, 40, 30.0e-3)  # a new point: set, not averaged
+    assert table.seconds(WIDE, 40) == 30.0e-3
+    assert table.seconds(WIDE, 44) == pytest.approx(27.5e-3)
+
+
+def test_an_unmeasured_shape_is_priced_in_the_units_of_the_measured_ones():
+    """The prior is in target steps; a first measurement of 8 ms per unit makes every
+    unmeasured shape 8 ms per unit too, instead of looking cheaper for not having run.
+    """
+    table = StepCostTable({}, ema_alpha=0.2)
+    assert table.seconds(CHAIN, 1) == prior_step_cost(CHAIN, 1)
+    table.observe(WIDE, 1, 8.0e-3 * prior_step_cost(WIDE, 1))
+    assert table.seconds(CHAIN, 4) == pytest.approx(8.0e-3 * prior_step_cost(CHAIN, 4))
+    assert table.seconds(WIDE, 4) == pytest.approx(
+        8.0e-3 * prior_step_cost(WIDE, 4)
+    )  # its own point, grown by the prior
+
+
+def test_the_prior_prices_verify_width_and_draft_steps():
+    assert prior_step_cost(NONE, 1) < prior_step_cost(Shape(1, 1, 2), 1)
+    assert prior_step_cost(CHAIN, 1) < prior_step_cost(NARROW, 1)
+    assert prior_step_cost(NARROW, 1) < prior_step_cost(WIDE, 1)
+    # At bs 48 the wide tree verifies 1536 tokens: far past the knee, the chain's 192 not.
+    assert prior_step_cost(WIDE, 48) > 3 * prior_step_cost(CHAIN, 48)
 
 
 def test_step_costs_must_be_positive():

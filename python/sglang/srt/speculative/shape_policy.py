@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 CONFIG_FLAG = "--speculative-adaptive-config"
 
@@ -119,38 +119,84 @@ class PolicyConfig:
         return cls(shapes=shapes, **values)
 
 
-class StepCostTable:
-    """step_seconds(shape, bs): measured points per shape, linear between them and constant
-    past the ends; steps that run refresh the nearest point (EMA)."""
+def prior_step_cost(shape: Shape, bs: int, verify_knee: int = 128) -> float:
+    """A step's cost in units of one target decode step, before anything is measured: a verify
+    that costs in proportion once bs * num_draft_tokens passes the knee where the target stops
+    being bound by reading its weights, the spec loop's fixed price, and a small price per
+    draft step. Only its ratios are used (StepCostTable scales it to what was measured).
+    """
+    verify = 1.0 + bs * shape.num_draft_tokens / verify_knee
+    if not shape.speculates:
+        return verify
+    return verify + 0.5 + 0.1 * shape.num_steps
 
-    def __init__(self, points: Mapping[Shape, Mapping[int, float]], ema_alpha: float):
-        self._points = {
-            shape: dict(sorted(by_bs.items())) for shape, by_bs in points.items()
-        }
+
+class StepCostTable:
+    """step_seconds(shape, bs) from measured (or given) points.
+
+    Between two points of a shape: linear. Past a shape's points: its nearest point, scaled by
+    how the prior grows from there. A shape with no point yet: the prior, scaled by how far
+    every measured point so far was from it. So a shape or batch size not measured yet is
+    compared in the units of those that were, and nothing looks cheap merely for not having
+    run; the next measured step replaces the guess.
+    """
+
+    def __init__(
+        self,
+        points: Mapping[Shape, Mapping[int, float]],
+        ema_alpha: float,
+        prior: Callable[[Shape, int], float] = prior_step_cost,
+    ):
+        self._points: dict[Shape, dict[int, float]] = {}
         self._ema_alpha = ema_alpha
-        for shape, by_bs in self._points.items():
+        self._prior = prior
+        # Seconds per prior unit: an EMA over measured points (None until the first).
+        self._seconds_per_unit: Optional[float] = None
+        for shape, by_bs in points.items():
             if not by_bs or min(by_bs.values()) <= 0:
                 raise ValueError(f"step costs of {shape.label} must be positive")
+            self._points[shape] = {}
+            for bs, seconds in sorted(by_bs.items()):
+                self._set(shape, bs, seconds)
 
     def seconds(self, shape: Shape, bs: int) -> float:
-        by_bs = self._points[shape]
+        by_bs = self._points.get(shape, {})
+        if bs in by_bs:
+            return by_bs[bs]
         sizes = list(by_bs)
         i = bisect.bisect_left(sizes, bs)
-        if i < len(sizes) and sizes[i] == bs:
-            return by_bs[bs]
-        if i == 0:
-            return by_bs[sizes[0]]
-        if i == len(sizes):
-            return by_bs[sizes[-1]]
-        lo, hi = sizes[i - 1], sizes[i]
-        w = (bs - lo) / (hi - lo)
-        return (1 - w) * by_bs[lo] + w * by_bs[hi]
+        lo = sizes[i - 1] if i > 0 else None
+        hi = sizes[i] if i < len(sizes) else None
+        if lo is not None and hi is not None:
+            w = (bs - lo) / (hi - lo)
+            return (1 - w) * by_bs[lo] + w * by_bs[hi]
+        anchor = lo if lo is not None else hi
+        if anchor is not None:
+            return by_bs[anchor] * self._prior(shape, bs) / self._prior(shape, anchor)
+        return self._prior(shape, bs) * (self._seconds_per_unit or 1.0)
 
     def observe(self, shape: Shape, bs: int, seconds: float) -> None:
+        """A measured step: the point at bs moves towards it (is set by the first)."""
+        if not seconds > 0:  # a clock that did not advance measured nothing
+            return
+        by_bs = self._points.setdefault(shape, {})
+        if bs in by_bs:
+            a = self._ema_alpha
+            seconds = (1 - a) * by_bs[bs] + a * seconds
+        self._set(shape, bs, seconds)
+
+    def _set(self, shape: Shape, bs: int, seconds: float) -> None:
         by_bs = self._points[shape]
-        nearest = min(by_bs, key=lambda size: (abs(size - bs), size))
-        a = self._ema_alpha
-        by_bs[nearest] = (1 - a) * by_bs[nearest] + a * seconds
+        new = bs not in by_bs
+        by_bs[bs] = seconds
+        if new:  # seconds() bisects the keys in order
+            self._points[shape] = dict(sorted(by_bs.items()))
+        unit = seconds / self._prior(shape, bs)
+        if self._seconds_per_unit is None:
+            self._seconds_per_unit = unit
+        else:
+            a = self._ema_alpha
+            self._seconds_per_unit = (1 - a) * self._seconds_per_unit + a * unit
 
 
 @dataclass

@@ -22,7 +22,6 @@ import collections
 import functools
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Deque, Mapping, Optional, Protocol
@@ -68,7 +67,7 @@ class ShapePolicyConfig:
     # Seconds per decode step by shape and batch size, given by the user (e.g. from a
     # benchmark: bench_e2e --write-policy-config). Given costs stay fixed, so every rank of a
     # tensor-parallel server makes the same choice from the same accept lengths; without
-    # them a prior stands in and measured steps refine it.
+    # them the steps that run are measured (StepCostTable).
     step_costs: Optional[dict[Shape, dict[int, float]]] = None
 
     @property
@@ -333,31 +332,46 @@ def apply_shape_runtime_state(worker, state: ShapeRuntimeState) -> None:
 # ----------------------------------------------------------------------------- the controller
 
 
-def prior_step_seconds(
-    shape: Shape, bs: int, base: float = 1e-3, verify_knee: int = 256
-) -> float:
-    """A rough step time before any step of `shape` ran at `bs`: a fixed price per draft step
-    and a verify that costs in proportion once bs * num_draft_tokens passes the knee where the
-    target stops being bound by reading its weights. Only the order it gives matters (the
-    first choice); measured steps replace it."""
-    tokens = bs * shape.num_draft_tokens
-    return base * (1 + 0.25 * shape.num_steps) * max(1.0, tokens / verify_knee)
+class StepClock(Protocol):
+    """Marks placed in the device's stream order, and the seconds between two of them once
+    the device has passed both (None before)."""
+
+    def mark(self) -> object: ...
+
+    def seconds(self, start: object, end: object) -> Optional[float]: ...
 
 
-def prior_cost_table(
-    shapes: tuple[Shape, ...], max_bs: int, ema_alpha: float
-) -> StepCostTable:
-    sizes = sorted({1, max_bs} | {b for b in (2, 4, 8, 16, 32, 64, 128) if b < max_bs})
-    return StepCostTable(
-        {s: {bs: prior_step_seconds(s, bs) for bs in sizes} for s in shapes}, ema_alpha
-    )
+class DeviceStepClock:
+    """Timing events on the current stream (the one a decode step's kernels run on).
+
+    A step is timed on the device, from its first launch to its last: the wall clock on the
+    host cannot tell steps apart under the overlap scheduler, which launches step n + 1 while
+    step n runs and then waits for step n - 1's result, so a launch-to-launch interval mostly
+    measures the step before, and a shape switch charges one shape's time to the other.
+    """
+
+    def __init__(self):
+        import torch
+
+        self._device = torch.get_device_module()
+
+    def mark(self) -> object:
+        event = self._device.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> Optional[float]:
+        if not end.query():
+            return None
+        return start.elapsed_time(end) / 1e3
 
 
 @dataclass
 class _Launch:
     shape: Shape
     bs: int
-    started: float
+    start: Optional[object] = None  # StepClock marks; None when costs are not measured
+    end: Optional[object] = None
 
 
 class ShapeController:
@@ -366,8 +380,9 @@ class ShapeController:
 
     With the overlap scheduler the result of step n is processed while step n + 1 runs:
     launches queue up and each result is matched with the oldest launch (results come back
-    in launch order). A step's time is the time from its launch to the next decode launch,
-    which at steady state is the pipeline's time per step; a prefill in between discards it.
+    in launch order). A step's time is measured between device marks placed before its first
+    launch and after its last (StepClock); by the time its result is processed the device
+    has passed both.
     """
 
     def __init__(
@@ -375,27 +390,25 @@ class ShapeController:
         worker: ShapeWorker,
         config: ShapePolicyConfig,
         initial: Shape,
-        max_bs: int,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Optional[StepClock] = None,
         metrics: Optional["ShapeMetrics"] = None,
     ):
         self.worker = worker
         self.config = config
         shapes = tuple(s for s in config.policy.shapes if s.speculates)
-        if config.step_costs is not None:
-            costs = StepCostTable(config.step_costs, config.policy.ema_alpha)
-        else:
-            costs = prior_cost_table(shapes, max_bs, config.policy.ema_alpha)
+        # Without given costs the table starts empty: the prior, in the units of the first
+        # measured step, until steps of each shape and batch size are measured.
+        costs = StepCostTable(config.step_costs or {}, config.policy.ema_alpha)
         self.policy = ShapePolicy(config.policy, costs, initial)
-        # Given costs stay as given (deterministic across ranks); a prior is refined.
-        self._refine_costs = config.step_costs is None
+        # Given costs stay as given (deterministic across ranks); otherwise steps are timed.
+        self._clock = None
+        if config.step_costs is None:
+            self._clock = clock if clock is not None else DeviceStepClock()
         self._speculating = shapes
         self._states: dict[Shape, ShapeRuntimeState] = {}
         self._active = initial
-        self._clock = clock
         self._metrics = metrics
         self._pending: Deque[_Launch] = collections.deque()
-        self._last: Optional[_Launch] = None
         self._decode_steps = 0
 
     @property
@@ -413,11 +426,6 @@ class ShapeController:
 
     def before_decode(self, bs: int) -> Shape:
         """The shape of the decode step about to launch at batch size bs, applied."""
-        now = self._clock()
-        if self._last is not None and self._refine_costs:
-            self.policy.observe_step_time(
-                self._last.shape, self._last.bs, now - self._last.started
-            )
         self._decode_steps += 1
         every = self.config.force_switch_every
         if every:
@@ -444,14 +452,14 @@ class ShapeController:
             self._active = shape
         if self._metrics is not None:
             self._metrics.stepped(shape)
-        launch = _Launch(shape, bs, now)
-        self._pending.append(launch)
-        self._last = launch
+        start = self._clock.mark() if self._clock is not None else None
+        self._pending.append(_Launch(shape, bs, start))
         return shape
 
-    def on_other_forward(self) -> None:
-        """A prefill (or any non-decode forward) ran: the next launch interval is not a step."""
-        self._last = None
+    def after_decode(self) -> None:
+        """The decode step before_decode announced has launched all its work."""
+        if self._clock is not None and self._pending:
+            self._pending[-1].end = self._clock.mark()
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int]) -> None:
         if not self._pending:
@@ -465,6 +473,10 @@ class ShapeController:
         self.policy.observe_accept(
             launch.shape, [n + 1 for n in num_correct_drafts_per_req]
         )
+        if launch.start is not None and launch.end is not None:
+            seconds = self._clock.seconds(launch.start, launch.end)
+            if seconds is not None:
+                self.policy.observe_step_time(launch.shape, launch.bs, seconds)
 
 
 def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
@@ -487,7 +499,6 @@ def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
         worker,
         config,
         initial,
-        max_bs=server_args.cuda_graph_max_bs or 256,
         metrics=metrics,
     )
     controller.register(current_runtime_state(worker, initial))
