@@ -189,6 +189,13 @@ def test_every_patch_has_a_header():
         assert "Capability:" in header
 
 
+def test_patch_headers_are_wrapped_at_80_columns():
+    """The header is what `quilt header` and a reviewer read in a terminal."""
+    for patch in quilt_series.read_series(REPO / "patches"):
+        long = [ln for ln in patch.header().splitlines() if len(ln) > 80]
+        assert not long, f"{patch.name}: {long}"
+
+
 def test_missing_header_field_is_refused(scratch_repo):
     patch = quilt_series.read_series(scratch_repo.patches)[0]
     patch.path.write_text(patch.path.read_text().replace("Forwarded:", "Fwd:", 1))

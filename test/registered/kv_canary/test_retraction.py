@@ -197,7 +197,8 @@ def test_the_random_retraction_workload_meets_the_stale_record_without_row_frees
 
 
 def test_sglang_req_to_token_pool_free_ends_the_row_ownership():
-    """The call site of patch 0019: ReqToTokenPool.free reports the row it takes back."""
+    """The kv-canary-row-release patch's call site: ReqToTokenPool.free reports the row it
+    takes back."""
     from types import SimpleNamespace
 
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool

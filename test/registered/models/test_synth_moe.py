@@ -114,7 +114,8 @@ def test_configs_have_what_sglang_reads(pair):
     )
     assert cfg.decoder_sparse_step == 1 and cfg.mlp_only_layers == []
     assert cfg.num_hidden_layers == NUM_LAYERS and cfg.eos_token_id is None
-    # The draft is a dense EAGLE head: no experts of its own (why patch 0016 keeps the
+    # The draft is a dense EAGLE head: no experts of its own (why the
+    # spec-v2-tree-captures-follow-compaction patch keeps the
     # draft runner from building a routed-experts capturer).
     draft_cfg = AutoConfig.from_pretrained(draft)
     assert draft_cfg.architectures == ["LlamaForCausalLMEagle"]

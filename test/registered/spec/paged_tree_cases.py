@@ -487,7 +487,8 @@ def test_rounds_keep_layout_and_accounting(case):
 
 
 def test_spec_v1_branch_layout_reads_other_slots_than_v2_writes():
-    """Control: with the server's page size (what the backend passed before patch 0021) the
+    """Control: with the server's page size (what the backend passed before
+    the spec-v2-paged-trees patch) the
     KV indices read branch t >= 1 where spec v1 puts it, not where spec v2's draft wrote it.
     """
     case = Case("control", 4, 4, 3, 8, [5], NOTHING)

@@ -1,4 +1,5 @@
-"""Spec v2 draft extend after verify: positions made on the device (patch 0011).
+"""Spec v2 draft extend after verify: positions made on the device (the
+spec-v2-draft-extend-positions-on-device patch).
 
 When the draft-extend CUDA graph replays the batch, EagleDraftInput.prepare_for_extend_to_fill_
 draft_kvcache builds positions with one broadcast add and ForwardBatch.init_new skips the

@@ -1,4 +1,5 @@
-"""FA3 metadata for a DP rank's speculative IDLE batch (patch 0020, flashattention_idle_metadata.py).
+"""FA3 metadata for a DP rank's speculative IDLE batch (the fa3-idle-speculative-metadata
+patch, flashattention_idle_metadata.py).
 
 The idle rank's draft decode, verify and draft extend batches are padded to the other ranks'
 token count and carry an idle spec input without a tree. Eagerly, ModelRunner.forward_idle

@@ -1,4 +1,5 @@
-"""FlashInfer metadata for a DP rank's speculative IDLE batch (patch 0015).
+"""FlashInfer metadata for a DP rank's speculative IDLE batch (the
+flashinfer-idle-speculative-metadata patch).
 
 The idle rank's draft, verify and draft extend batches carry an idle spec input without KV
 indices: the real init_forward_metadata must not plan from them (nothing reads an IDLE plan);

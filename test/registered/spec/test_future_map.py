@@ -1,4 +1,4 @@
-"""The overlap scheduler's future map under spec v2 (patch 0010).
+"""The overlap scheduler's future map under spec v2 (patch spec-v2-decode-step-host-work).
 
 Each decode step stores its next draft input at a run of slots and the next step reads it
 back. While a batch is still exactly that run (nothing filtered or merged), the read is a

@@ -4,7 +4,8 @@ A move means: afterwards slot tgt[i] holds what slot src[i] held before the call
 applies the moves one by one from a snapshot taken before any of them, so overlapping moves (a
 slot that is one move's source and another's target) have exactly one right answer.
 
-kv_move's functions are tested directly. The pools' move_kv_cache methods come from patch 0004
+kv_move's functions are tested directly. The pools' move_kv_cache methods come from the
+spec-kv-moves-for-all-pools patch
 (memory_pool.py) and must be in the installed build: a missing method fails, it never skips.
 Every pool here is the real class built with device="cpu" (all of them construct on CPU).
 MHA's tiled Triton copy kernel cannot run on CPU, so the CPU tests cover MHA's torch path
@@ -337,7 +338,7 @@ def test_move_paged_index_k_rows_rejects_a_foreign_layout():
 
 
 # =============================================================================================
-# Pool methods (patch 0004)
+# Pool methods (patch spec-kv-moves-for-all-pools)
 # =============================================================================================
 
 
@@ -355,7 +356,7 @@ def test_pool_has_move_kv_cache(cls):
     # No skip: CI installs the patched build, and a pool without the method is the bug itself.
     assert hasattr(
         cls, "move_kv_cache"
-    ), f"{cls.__name__} has no move_kv_cache (patch 0004)"
+    ), f"{cls.__name__} has no move_kv_cache (patch spec-kv-moves-for-all-pools)"
 
 
 @pytest.fixture

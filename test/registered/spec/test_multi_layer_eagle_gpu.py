@@ -5,12 +5,14 @@ How sglang 0.5.12.post1 runs it, and so the flags here:
 - `--speculative-algorithm EAGLE` on a Step3p5ForCausalLM target: ServerArgs turns
   enable_multi_layer_eagle on by itself. No draft path, as Step-3.5-Flash is served: the draft
   worker loads the target's checkpoint as Step3p5MTP, one ModelRunner per step (its own KV pool
-  and attention backend, patch 0002), step k on checkpoint layer 45 + k.
+  and attention backend: the spec-multi-layer-eagle-per-step-pools patch), step k on checkpoint
+  layer 45 + k.
 - topk 1, 3 steps, 4 draft tokens: one draft token per MTP layer. Steps may not outnumber
   num_nextn_predict_layers (3), and the multi-layer workers draft chains (trees run spec v1).
 - Spec v2: with topk 1 and the overlap scheduler on (the default) this is
   MultiLayerEagleWorkerV2, what users get; --disable-overlap-schedule gives the spec v1
-  MultiLayerEagleWorker, which patch 0002 edits too (before it, v1 could not even be imported).
+  MultiLayerEagleWorker, which the spec-multi-layer-eagle-per-step-pools patch edits too
+  (before it, v1 could not even be imported).
   Spec v1 has no draft-extend CUDA graphs (speculative/multi_layer_v1_draft_extend.py:
   upstream's were spec v2's and never captured, so v1 + CUDA graphs died on its first decode);
   with CUDA graphs on only its target replays graphs.

@@ -254,7 +254,7 @@ BASE = dict(
             True,
             None,
         ),
-        # Hopper's default backend: v2 trees with a draft-extend CUDA graph (patch 0017)
+        # Hopper's default backend: v2 trees with a draft-extend CUDA graph
         ({"attention_backends": {"fa3"}}, True, None),
         ({"attention_backends": {"fa3", "flashinfer"}}, True, None),
         (

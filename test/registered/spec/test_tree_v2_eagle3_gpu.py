@@ -67,9 +67,11 @@ def test_tree_v2_with_dp_attention_and_an_idle_rank(
     qwen3_eagle3_pair, backend, record_metric
 ):
     """The hook puts DP-attention trees on spec v2; one request leaves the other rank idle, whose
-    draft, verify and draft extend (fa3's captured by patch 0017) replay their CUDA graphs on
+    draft, verify and draft extend (fa3's captured by the fa3-spec-v2-draft-extend-graph patch)
+    replay their CUDA graphs on
     padding rows with an idle spec input. Run eagerly, its padded IDLE batches reach the
-    backend's metadata instead (patches 0013, 0015, 0020; CPU-tested in test_*_idle_metadata).
+    backend's metadata instead (the *-idle-speculative-metadata patches; CPU-tested in
+    test_*_idle_metadata).
     """
     target, draft = qwen3_eagle3_pair
     prompts = _prompts(target, 48)

@@ -240,7 +240,8 @@ def test_tree_v2_on_fa3_is_token_identical_to_no_spec(
 ):
     """FA3 builds the tree verify without a custom-mask kernel: a prefix pass merged with one
     pass per draft token over the ancestors that the FULL_MASK rows name. Draft extend runs
-    num_draft_tokens rows per request, CUDA-graphed since patch 0017."""
+    num_draft_tokens rows per request, CUDA-graphed since patch fa3-spec-v2-draft-extend-graph.
+    """
     check_identity_across_batch_sizes(
         toy_pair, prompts, spec, cuda_graph, record_metric, attention_backend="fa3"
     )

@@ -1,4 +1,5 @@
-"""Triton metadata for a DP rank's speculative IDLE batch (patch 0013, triton_idle_metadata.py).
+"""Triton metadata for a DP rank's speculative IDLE batch (the triton-idle-speculative-metadata
+patch, triton_idle_metadata.py).
 
 The idle rank's draft, verify and draft extend batches are padded to the other ranks' token
 count and carry an idle spec input without KV indices: the real init_forward_metadata must

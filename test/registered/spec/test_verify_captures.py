@@ -350,7 +350,7 @@ def test_compaction_refuses_a_capture_of_other_rows():
         )
 
 
-# --- the draft model runner records no captures (patch 0016) --------------------------------
+# --- the draft model runner records no captures (spec-v2-tree-captures-follow-compaction) ---
 
 
 @pytest.fixture
@@ -386,7 +386,8 @@ def test_a_draft_runner_keeps_the_targets_capturers(global_capturers):
 
 def test_a_dense_draft_config_has_no_experts_to_capture():
     """Why the draft runner must not build a capturer: its config has no num_experts_per_tok
-    (before patch 0016, a dense EAGLE draft of an MoE target raised here at start-up).
+    (before the spec-v2-tree-captures-follow-compaction patch, a dense EAGLE draft of an MoE
+    target raised here at start-up).
     """
     from transformers import LlamaConfig
 

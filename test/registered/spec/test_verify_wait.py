@@ -1,4 +1,5 @@
-"""Spec v2 decode: where the host waits for the launched batch's verify (patch 0012).
+"""Spec v2 decode: where the host waits for the launched batch's verify (the
+spec-v2-defer-verify-wait patch).
 
 The next decode step is prepared while the GPU runs the launched batch. The host must block
 on that batch's verify (its `verify_done` event) before it reads what the verify writes

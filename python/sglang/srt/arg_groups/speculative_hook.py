@@ -49,11 +49,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Attention backends with spec-v2 tree metadata (target verify, draft decode, draft extend; eager
-# and CUDA graph), each exercised by the spec-v2 tree tests on a GPU. flashinfer: patch 0014
-# (host-planned verify and draft extend); fa3: patch 0017 (draft-extend CUDA graph). Non-MLA
-# targets only for those two, see MLA_TREE_V1_BACKENDS. With DP attention an idle rank's
-# speculative IDLE batches get metadata on each of the three (triton 0013, flashinfer 0015,
-# fa3 0020), so DP attention changes nothing here: its trees run spec v2 on all three.
+# and CUDA graph), each exercised by the spec-v2 tree tests on a GPU: flashinfer with its verify
+# and draft extend planned on the host, fa3 with a draft-extend CUDA graph. Non-MLA targets only
+# for those two, see MLA_TREE_V1_BACKENDS. With DP attention an idle rank's speculative IDLE
+# batches get metadata on each of the three (the *-idle-speculative-metadata patches), so DP
+# attention changes nothing here: its trees run spec v2 on all three.
 SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer", "fa3"})
 
 # Backends whose MLA targets keep trees on spec v1, and why: "flashinfer" names another class

@@ -11,8 +11,9 @@ A slot outside the pool is an error, never a silent write: a negative slot would
 wrap around to the end of a buffer. On CUDA the check is an async device assert (no host
 sync in the decode loop); on CPU it raises IndexError.
 
-memory_pool.py calls in here from thin call sites (patch 0004); this module imports only torch
-and triton at load time, so memory_pool.py can import it without a cycle.
+memory_pool.py calls in here from thin call sites (the spec-kv-moves-for-all-pools patch);
+this module imports only torch and triton at load time, so memory_pool.py can import it
+without a cycle.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ is what the KV move does to the slot (tgt <- src).
 
 NSA: the indexer's per-slot state, its fp8 K and scales (NSATokenToKVPool's
 index_k_with_scale_buffer), lives in the KV pool and moves with the KV (kv_move.move_nsa_kv,
-patch 0004). Its top-k selection is not stored per slot; it exists only as the capture above.
+the spec-kv-moves-for-all-pools patch). Its top-k selection is not stored per slot; it exists
+only as the capture above.
 """
 
 from __future__ import annotations
