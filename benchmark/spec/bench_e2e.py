@@ -356,6 +356,7 @@ def main() -> None:
     print_pair_ratios(
         rows, "tree", "chain", "accept_length", "tree / chain accept length"
     )
+    print_policy_ratios(rows)
     for pair in filter(None, args.ratios.split(",")):
         num, den = pair.split("/")
         print_pair_ratios(rows, num, den, "tok_per_s", f"{num} / {den} tok/s")
@@ -428,6 +429,55 @@ def round_ratios(
         for (name, bs), values in per_round.items()
         if name == num and (den, bs) in per_round
     }
+
+
+def is_fixed_shape_like(name: str, policy: str) -> bool:
+    """Whether config `name` is a fixed spec v2 shape on the policy's backend and page size:
+    what the policy chooses among."""
+    config, backend, page = split_config(name, "")
+    spec, _ = CONFIGS[config]
+    return (
+        config != "policy"
+        and spec is not None
+        and spec.overlap
+        and (backend, page) == split_config(policy, "")[1:]
+    )
+
+
+def policy_ratios(rows: list[dict]) -> dict:
+    """Per bs (and the mixed load): the policy's tok/s over no speculation and over the best
+    fixed shape measured in the same run (the shape policy's targets, docs/shape-policy.md).
+    {bs: (vs_none or None, vs_best_fixed or None, best fixed config or None)}."""
+    out = {}
+    for r in rows:
+        if r["config"] != "policy":
+            continue
+        same_bs = [x for x in rows if x["bs"] == r["bs"]]
+        none = next((x for x in same_bs if x["config"] == "none"), None)
+        fixed = [x for x in same_bs if is_fixed_shape_like(x["config"], r["config"])]
+        best = max(fixed, key=lambda x: x["tok_per_s"], default=None)
+        out[r["bs"]] = (
+            r["tok_per_s"] / none["tok_per_s"] if none else None,
+            r["tok_per_s"] / best["tok_per_s"] if best else None,
+            best["config"] if best else None,
+        )
+    return out
+
+
+def print_policy_ratios(rows: list[dict]) -> None:
+    ratios = policy_ratios(rows)
+    if not ratios:
+        return
+    print(
+        "policy (targets: >= 1.00x none, >= 0.95x the best fixed shape; mixed: > 1.00x):"
+    )
+    for bs, (vs_none, vs_best, best) in ratios.items():
+        cells = [f"bs {bs}"]
+        if vs_none is not None:
+            cells.append(f"{vs_none:.2f}x none")
+        if vs_best is not None:
+            cells.append(f"{vs_best:.2f}x {best}")
+        print("  " + ", ".join(cells))
 
 
 def print_pair_ratios(

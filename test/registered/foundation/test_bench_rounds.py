@@ -163,3 +163,27 @@ def test_a_written_policy_config_is_what_the_policy_config_runs(tmp_path, monkey
         bench_e2e.POLICY_CONFIG[:] = saved[2]
     assert kwargs["speculative_adaptive_config"] == str(path)
     assert kwargs["speculative_eagle_topk"] == 4
+
+
+def test_policy_ratios_compare_with_no_speculation_and_the_best_fixed_shape():
+    def row(config, bs, tok_per_s):
+        return {"config": config, "bs": bs, "tok_per_s": tok_per_s}
+
+    rows = [
+        row("none", 1, 100.0),
+        row("tree", 1, 180.0),
+        row("chain", 1, 150.0),
+        row("tree-v1", 1, 400.0),  # spec v1: not a shape the policy runs
+        row("tree@flashinfer", 1, 500.0),  # another backend: neither
+        row("policy", 1, 171.0),
+        row("none", "mixed", 1000.0),
+        row("chain", "mixed", 1100.0),
+        row("policy", "mixed", 1210.0),
+        row("policy", 64, 900.0),  # nothing else measured at bs 64
+    ]
+
+    ratios = bench_e2e.policy_ratios(rows)
+
+    assert ratios[1] == (pytest.approx(1.71), pytest.approx(0.95), "tree")
+    assert ratios["mixed"] == (pytest.approx(1.21), pytest.approx(1.1), "chain")
+    assert ratios[64] == (None, None, None)
