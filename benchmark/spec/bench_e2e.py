@@ -53,6 +53,8 @@ POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
 # A --speculative-adaptive-config for the policy config (e.g. one --write-policy-config
 # wrote, with step costs); None: one with POLICY_SHAPES alone.
 POLICY_CONFIG: list[Optional[str]] = [None]
+# The policy's "trace" file (--policy-trace), or None.
+POLICY_TRACE: list[Optional[str]] = [None]
 # The "bs" of a mixed-load row.
 MIXED = "mixed"
 
@@ -79,11 +81,17 @@ def set_policy_shapes(labels: list[str]) -> None:
 
 def policy_config_file() -> str:
     """--speculative-adaptive-config of the policy config: --policy-config, else its
-    "shapes"."""
-    if POLICY_CONFIG[0] is not None:
-        return POLICY_CONFIG[0]
+    "shapes"; with --policy-trace, a copy that traces."""
+    given = POLICY_CONFIG[0]
+    if given is not None and POLICY_TRACE[0] is None:
+        return given
+    config = {"shapes": POLICY_SHAPES}
+    if given is not None:
+        config = json.loads(Path(given).read_text())
+    if POLICY_TRACE[0] is not None:
+        config["trace"] = POLICY_TRACE[0]
     path = Path(tempfile.mkdtemp()) / "shape-policy.json"
-    path.write_text(json.dumps({"shapes": POLICY_SHAPES}))
+    path.write_text(json.dumps(config))
     return str(path)
 
 
@@ -239,6 +247,11 @@ def main() -> None:
         "the first is run first",
     )
     parser.add_argument(
+        "--policy-trace",
+        help='the policy config\'s "trace" file: per decode result, what the policy '
+        "measured and its scores after",
+    )
+    parser.add_argument(
         "--mixed-load",
         help="REQUESTS:RAMP_SECONDS: also run REQUESTS requests arriving evenly over "
         "RAMP_SECONDS (the batch grows to about REQUESTS and back), a row with bs 'mixed'",
@@ -292,6 +305,7 @@ def main() -> None:
     set_policy_shapes(args.policy_shapes.split())
     if args.policy_config:
         set_policy_config(args.policy_config)
+    POLICY_TRACE[0] = args.policy_trace
 
     target, draft = ensure_pair(args.models, args.preset, args.agreement)
     vocab = synth.load_meta(target)["spec"]["vocab"]

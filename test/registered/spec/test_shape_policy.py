@@ -140,6 +140,31 @@ def test_an_unmeasured_shape_is_priced_in_the_units_of_the_measured_ones():
     )  # its own point, grown by the prior
 
 
+def test_a_one_off_slow_step_does_not_set_what_a_shape_costs():
+    """The first step of a shape compiles kernels (hundreds of times a warm step): left out
+    once the table has points to compare with, and replaced where it set a point."""
+    table = StepCostTable({}, ema_alpha=0.2)
+    table.observe(WIDE, 1, 1.7)  # the very first step: nothing to compare it with
+    table.observe(WIDE, 1, 7.0e-3)  # a warm step replaces a point 200x above it
+    assert table.seconds(WIDE, 1) == 7.0e-3
+    table.observe(NARROW, 1, 0.36)  # a first step, far above what the table expects
+    assert table.seconds(NARROW, 1) < 10e-3
+    table.observe(NARROW, 1, 6.5e-3)
+    assert table.seconds(NARROW, 1) == 6.5e-3
+    # A slow spike among warm steps is left out; the same slowness three times is believed.
+    table.observe(NARROW, 1, 0.1)
+    assert table.seconds(NARROW, 1) == 6.5e-3
+    table.observe(NARROW, 1, 0.1)
+    table.observe(NARROW, 1, 0.1)
+    assert table.seconds(NARROW, 1) == pytest.approx(0.8 * 6.5e-3 + 0.2 * 0.1)
+    # Unmeasured shapes are priced by the median seconds per prior unit of the points (of
+    # two points, their mean), which the left-out spikes did not move.
+    units = [table.seconds(s, 1) / prior_step_cost(s, 1) for s in (WIDE, NARROW)]
+    assert table.seconds(CHAIN, 1) == pytest.approx(
+        prior_step_cost(CHAIN, 1) * sum(units) / 2
+    )
+
+
 def test_the_prior_prices_verify_width_and_draft_steps():
     assert prior_step_cost(NONE, 1) < prior_step_cost(Shape(1, 1, 2), 1)
     assert prior_step_cost(CHAIN, 1) < prior_step_cost(NARROW, 1)

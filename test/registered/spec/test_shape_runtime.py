@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -649,3 +650,41 @@ def test_the_policy_keeps_up_with_a_batch_that_changes_every_step(tmp_path):
 
     best_fixed = max(rate(lambda bs, s=s: s) for s in COSTS_7B)
     assert rate(policy_choice) >= 0.95 * best_fixed
+
+
+def test_the_trace_says_what_each_result_taught_the_policy(tmp_path):
+    """The config's "trace" file: a line per result (shape, bs, device seconds, accept length,
+    every shape's score after) and per switch."""
+    trace_path = tmp_path / "trace.jsonl"
+    config = rt.read_shape_policy(
+        write_config(tmp_path, shapes=["16,3,32", "4,3,8"], trace=str(trace_path))
+    )
+    assert config.trace == str(trace_path)
+    controller = rt.ShapeController(
+        FakeWorker(),
+        replace(config, force_switch_every=1),
+        WIDE,
+        clock=(clock := Clock()),
+        trace=rt.ShapeTrace.open(config.trace),
+    )
+    controller.register(rt.ShapeRuntimeState(WIDE, "built with the worker", None))
+    controller.init_states()
+    run_step(controller, clock, 2, 8e-3)
+    run_step(controller, clock, 2, 6e-3)  # a forced switch to the narrow tree
+    controller.on_verify_complete([2, 1])
+    lines = [json.loads(line) for line in trace_path.read_text().splitlines()]
+    assert lines[0] == {"step": 2, "switch": ["16,3,32", "4,3,8"], "bs": 2}
+    result = lines[1]
+    assert (result["shape"], result["bs"], result["accept"]) == ("16,3,32", 2, 2.5)
+    assert result["seconds"] == pytest.approx(8e-3)
+    assert result["scores"]["16,3,32"] == pytest.approx(
+        controller.policy.score(WIDE, 2), abs=0.01
+    )
+    assert set(result["scores"]) == {"16,3,32", "4,3,8"}
+
+
+def test_a_trace_must_be_a_path(tmp_path):
+    with pytest.raises(ValueError, match='"trace" must be a file path'):
+        rt.read_shape_policy(
+            write_config(tmp_path, shapes=["16,3,32", "4,3,8"], trace=3)
+        )

@@ -22,6 +22,7 @@ Decisions only: which runtime state (graphs, backends) a shape uses is the worke
 from __future__ import annotations
 
 import bisect
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -136,10 +137,20 @@ class StepCostTable:
 
     Between two points of a shape: linear. Past a shape's points: its nearest point, scaled by
     how the prior grows from there. A shape with no point yet: the prior, scaled by how far
-    every measured point so far was from it. So a shape or batch size not measured yet is
-    compared in the units of those that were, and nothing looks cheap merely for not having
+    the measured points are from it (their median). So a shape or batch size not measured yet
+    is compared in the units of those that were, and nothing looks cheap merely for not having
     run; the next measured step replaces the guess.
+
+    A step far slower than the table expects is a one-off, not what the shape costs: the first
+    step of a shape or of a new batch size compiles kernels and grows allocators, and took up
+    to a few hundred times a warm step. It is left out unless the steps after it are as slow.
+    A point far above a measured step was set by such a one-off and is replaced.
     """
+
+    # How many times the expected seconds a step may take and still be believed.
+    ONE_OFF_RATIO = 4.0
+    # Steps of a shape in a row that slow are believed (the cost really changed).
+    ONE_OFF_STREAK = 3
 
     def __init__(
         self,
@@ -150,8 +161,11 @@ class StepCostTable:
         self._points: dict[Shape, dict[int, float]] = {}
         self._ema_alpha = ema_alpha
         self._prior = prior
-        # Seconds per prior unit: an EMA over measured points (None until the first).
+        # Seconds per prior unit of every point, and their median (None: not computed).
+        self._units: dict[tuple[Shape, int], float] = {}
         self._seconds_per_unit: Optional[float] = None
+        # Slow steps in a row, by shape (ONE_OFF_STREAK).
+        self._slow: dict[Shape, int] = {}
         for shape, by_bs in points.items():
             if not by_bs or min(by_bs.values()) <= 0:
                 raise ValueError(f"step costs of {shape.label} must be positive")
@@ -173,16 +187,22 @@ class StepCostTable:
         anchor = lo if lo is not None else hi
         if anchor is not None:
             return by_bs[anchor] * self._prior(shape, bs) / self._prior(shape, anchor)
-        return self._prior(shape, bs) * (self._seconds_per_unit or 1.0)
+        return self._prior(shape, bs) * (self._unit() or 1.0)
 
     def observe(self, shape: Shape, bs: int, seconds: float) -> None:
         """A measured step: the point at bs moves towards it (is set by the first)."""
         if not seconds > 0:  # a clock that did not advance measured nothing
             return
+        if self._units and seconds > self.ONE_OFF_RATIO * self.seconds(shape, bs):
+            self._slow[shape] = self._slow.get(shape, 0) + 1
+            if self._slow[shape] < self.ONE_OFF_STREAK:
+                return
+        self._slow.pop(shape, None)
         by_bs = self._points.setdefault(shape, {})
-        if bs in by_bs:
+        point = by_bs.get(bs)
+        if point is not None and seconds * self.ONE_OFF_RATIO >= point:
             a = self._ema_alpha
-            seconds = (1 - a) * by_bs[bs] + a * seconds
+            seconds = (1 - a) * point + a * seconds
         self._set(shape, bs, seconds)
 
     def _set(self, shape: Shape, bs: int, seconds: float) -> None:
@@ -191,12 +211,14 @@ class StepCostTable:
         by_bs[bs] = seconds
         if new:  # seconds() bisects the keys in order
             self._points[shape] = dict(sorted(by_bs.items()))
-        unit = seconds / self._prior(shape, bs)
-        if self._seconds_per_unit is None:
-            self._seconds_per_unit = unit
-        else:
-            a = self._ema_alpha
-            self._seconds_per_unit = (1 - a) * self._seconds_per_unit + a * unit
+        self._units[(shape, bs)] = seconds / self._prior(shape, bs)
+        self._seconds_per_unit = None
+
+    def _unit(self) -> Optional[float]:
+        """Median seconds per prior unit over the points (None before the first)."""
+        if self._seconds_per_unit is None and self._units:
+            self._seconds_per_unit = statistics.median(self._units.values())
+        return self._seconds_per_unit
 
 
 @dataclass

@@ -24,7 +24,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Deque, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Deque, Mapping, Optional, Protocol, TextIO
 
 from sglang.srt.speculative.shape_policy import (
     CONFIG_FLAG,
@@ -51,6 +51,7 @@ POLICY_KEYS = frozenset(
         "ema_alpha",
         "force_switch_every",
         "step_costs",
+        "trace",
     }
 )
 
@@ -69,6 +70,9 @@ class ShapePolicyConfig:
     # tensor-parallel server makes the same choice from the same accept lengths; without
     # them the steps that run are measured (StepCostTable).
     step_costs: Optional[dict[Shape, dict[int, float]]] = None
+    # A JSON-lines file that gets, per decode result, what the policy learnt from it and its
+    # scores after (ShapeTrace): why it runs the shape it runs.
+    trace: Optional[str] = None
 
     @property
     def deterministic(self) -> bool:
@@ -112,7 +116,10 @@ def read_shape_policy(
     costs = None
     if "step_costs" in raw:
         costs = read_step_costs(raw["step_costs"], policy.shapes, path)
-    return ShapePolicyConfig(policy, every, costs)
+    trace = raw.get("trace")
+    if trace is not None and (not isinstance(trace, str) or not trace):
+        raise ValueError(f'{CONFIG_FLAG} {path}: "trace" must be a file path')
+    return ShapePolicyConfig(policy, every, costs, trace)
 
 
 def read_step_costs(
@@ -374,6 +381,45 @@ class _Launch:
     end: Optional[object] = None
 
 
+class ShapeTrace:
+    """The config's "trace" file: one JSON object per line, for each decode result the shape
+    that launched it, its batch size, measured step seconds (null when not measured), mean
+    accept length and the policy's scores (tokens per second per request) of every shape at
+    that batch size afterwards; for each switch, the shapes and the batch size."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    @classmethod
+    def open(cls, path: str, tp_rank: int = 0) -> "ShapeTrace":
+        # Line-buffered: a server that is killed keeps what it traced.
+        suffix = f".rank{tp_rank}" if tp_rank else ""
+        return cls(open(path + suffix, "a", buffering=1))
+
+    def result(
+        self,
+        step: int,
+        launch: "_Launch",
+        seconds: Optional[float],
+        accept_length: float,
+        scores: Mapping[str, float],
+    ) -> None:
+        self._write(
+            step=step,
+            shape=launch.shape.label,
+            bs=launch.bs,
+            seconds=seconds,
+            accept=round(accept_length, 3),
+            scores={label: round(v, 2) for label, v in scores.items()},
+        )
+
+    def switch(self, step: int, old: Shape, new: Shape, bs: int) -> None:
+        self._write(step=step, switch=[old.label, new.label], bs=bs)
+
+    def _write(self, **fields) -> None:
+        self._stream.write(json.dumps(fields) + "\n")
+
+
 class ShapeController:
     """Chooses and applies a shape before each decode step; feeds the policy the accept
     lengths and step times that come back.
@@ -392,6 +438,7 @@ class ShapeController:
         initial: Shape,
         clock: Optional[StepClock] = None,
         metrics: Optional["ShapeMetrics"] = None,
+        trace: Optional[ShapeTrace] = None,
     ):
         self.worker = worker
         self.config = config
@@ -408,6 +455,7 @@ class ShapeController:
         self._states: dict[Shape, ShapeRuntimeState] = {}
         self._active = initial
         self._metrics = metrics
+        self._trace = trace
         self._pending: Deque[_Launch] = collections.deque()
         self._decode_steps = 0
 
@@ -449,6 +497,8 @@ class ShapeController:
             )
             if self._metrics is not None:
                 self._metrics.switched()
+            if self._trace is not None:
+                self._trace.switch(self._decode_steps, self._active, shape, bs)
             self._active = shape
         if self._metrics is not None:
             self._metrics.stepped(shape)
@@ -470,13 +520,19 @@ class ShapeController:
             # that retracted): the queue is out of step; start over.
             self._pending.clear()
             return
-        self.policy.observe_accept(
-            launch.shape, [n + 1 for n in num_correct_drafts_per_req]
-        )
+        accept_lengths = [n + 1 for n in num_correct_drafts_per_req]
+        self.policy.observe_accept(launch.shape, accept_lengths)
+        seconds = None
         if launch.start is not None and launch.end is not None:
             seconds = self._clock.seconds(launch.start, launch.end)
             if seconds is not None:
                 self.policy.observe_step_time(launch.shape, launch.bs, seconds)
+        if self._trace is not None:
+            scores = {
+                s.label: self.policy.score(s, launch.bs) for s in self._speculating
+            }
+            mean = sum(accept_lengths) / len(accept_lengths)
+            self._trace.result(self._decode_steps, launch, seconds, mean, scores)
 
 
 def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
@@ -495,11 +551,15 @@ def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
                 "tp_rank": str(getattr(worker, "tp_rank", 0)),
             }
         )
+    trace = None
+    if config.trace is not None:
+        trace = ShapeTrace.open(config.trace, getattr(worker, "tp_rank", 0))
     controller = ShapeController(
         worker,
         config,
         initial,
         metrics=metrics,
+        trace=trace,
     )
     controller.register(current_runtime_state(worker, initial))
     return controller
