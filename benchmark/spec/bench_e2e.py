@@ -48,6 +48,16 @@ CONFIGS = {
     "narrow": (eng.SpecConfig(4, 3, 8), {}),
     "chain1": (eng.SpecConfig(1, 1, 2), {}),
     "policy": (eng.SpecConfig(16, 3, 32), {}),
+    # The chain and the wide tree with triton's query tile sized to the verify / draft
+    # extend (layers/attention/triton_short_extend.py, off by default), for an A/B in one run.
+    "chain-short-tile": (
+        eng.SpecConfig(1, 3, 4),
+        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_TRITON_SHORT_EXTEND_TILE": "1"},
+    ),
+    "tree-short-tile": (
+        eng.SpecConfig(16, 3, 32),
+        {"SGLANG_TRITON_SHORT_EXTEND_TILE": "1"},
+    ),
 }
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
 # A --speculative-adaptive-config for the policy config (e.g. one --write-policy-config
@@ -64,6 +74,10 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
     CONFIGS["tree-v1"] = (
         eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
         {},
+    )
+    CONFIGS["tree-short-tile"] = (
+        eng.SpecConfig(topk, num_steps, num_draft_tokens),
+        CONFIGS["tree-short-tile"][1],
     )
 
 
@@ -449,9 +463,11 @@ def is_fixed_shape_like(name: str, policy: str) -> bool:
     """Whether config `name` is a fixed spec v2 shape on the policy's backend and page size:
     what the policy chooses among."""
     config, backend, page = split_config(name, "")
-    spec, _ = CONFIGS[config]
+    spec, env = CONFIGS[config]
     return (
         config != "policy"
+        and "SGLANG_TRITON_SHORT_EXTEND_TILE"
+        not in env  # an A/B of the kernel, not a shape
         and spec is not None
         and spec.overlap
         and (backend, page) == split_config(policy, "")[1:]

@@ -41,17 +41,22 @@ def upstream_wheel():
 
 
 def test_a_series_split_in_two_makes_the_same_tree(tmp_path, upstream_wheel):
-    """The last patch cut into one patch per file it edits: the re-cut kind of change."""
+    """The last patch that edits several files, cut in two (its first file, then the rest
+    right after it): the re-cut kind of change."""
     layout = builder.Layout(REPO)
     copy = tmp_path / "repo"
     shutil.copytree(layout.patches, copy / "patches")
-    last = read_series(copy / "patches")[-1]
-    text = last.path.read_text()
-    header, _, body = text.partition("\n--- a/")
-    files = ("--- a/" + body).split("\n--- a/")
-    files = [files[0]] + ["--- a/" + f for f in files[1:]]
-    assert len(files) >= 2, "the last patch edits one file: nothing to split"
-    last.path.write_text(header + "\n" + files[0].rstrip("\n") + "\n")
+
+    def by_file(patch):
+        header, _, body = patch.path.read_text().partition("\n--- a/")
+        files = ("--- a/" + body).split("\n--- a/")
+        return header, [files[0]] + ["--- a/" + f for f in files[1:]]
+
+    cut = next(
+        p for p in reversed(read_series(copy / "patches")) if len(by_file(p)[1]) > 1
+    )
+    header, files = by_file(cut)
+    cut.path.write_text(header + "\n" + files[0].rstrip("\n") + "\n")
     extra = copy / "patches" / "9999-rest.patch"
     extra.write_text(
         "Description: the rest\nCapability: test\nForwarded: no\nLast-Update: 2026-11-25\n"
@@ -59,7 +64,9 @@ def test_a_series_split_in_two_makes_the_same_tree(tmp_path, upstream_wheel):
         + "\n"
     )
     series = copy / "patches" / "series"
-    series.write_text(series.read_text() + "9999-rest.patch\n")
+    series.write_text(
+        series.read_text().replace(cut.name + "\n", cut.name + "\n9999-rest.patch\n")
+    )
 
     new = compare.patched_tree_digests(builder.Layout(copy), upstream_wheel)
     old = compare.patched_tree_digests(layout, upstream_wheel)

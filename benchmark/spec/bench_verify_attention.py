@@ -1,0 +1,116 @@
+"""Triton extend attention at speculative verify shapes: upstream's prefill query tile against
+a tile as long as the extend (sglang.srt.layers.attention.triton_short_extend), one process,
+side by side.
+
+    python benchmark/spec/bench_verify_attention.py --batch-sizes 1,16,64 --draft-tokens 2,4,32
+
+Each row: microseconds per call for one layer (heads/kv heads/head dim of a Llama-3-8B-shaped
+target by default) and the ratio upstream / short. The outputs are compared too: the tile
+changes the work, not the attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from sglang.srt.layers.attention import triton_short_extend
+from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+
+
+def verify_batch(bs, prefix_len, draft_tokens, heads, kv_heads, dim):
+    """A verify of bs requests with prefix_len tokens each in scattered KV slots and a chain
+    (causal) mask over draft_tokens rows; what extend_attention_fwd takes."""
+    dev, dt = "cuda", torch.bfloat16
+    pool = bs * prefix_len + 1024
+    n = bs * draft_tokens
+    mask_rows = [
+        torch.cat(
+            [
+                torch.ones(draft_tokens, prefix_len, dtype=torch.bool, device=dev),
+                torch.ones(draft_tokens, draft_tokens, device=dev).tril().bool(),
+            ],
+            dim=1,
+        ).flatten()
+    ] * bs
+    return dict(
+        q_extend=torch.randn(n, heads, dim, device=dev, dtype=dt),
+        k_extend=torch.randn(n, kv_heads, dim, device=dev, dtype=dt),
+        v_extend=torch.randn(n, kv_heads, dim, device=dev, dtype=dt),
+        o_extend=torch.empty(n, heads, dim, device=dev, dtype=dt),
+        k_buffer=torch.randn(pool, kv_heads, dim, device=dev, dtype=dt),
+        v_buffer=torch.randn(pool, kv_heads, dim, device=dev, dtype=dt),
+        qo_indptr=torch.arange(0, n + 1, draft_tokens, device=dev, dtype=torch.int32),
+        kv_indptr=torch.arange(
+            0, bs * prefix_len + 1, prefix_len, device=dev, dtype=torch.int32
+        ),
+        kv_indices=torch.randperm(pool, device=dev)[: bs * prefix_len],
+        custom_mask=torch.cat(mask_rows),
+        is_causal=True,
+        mask_indptr=torch.arange(
+            0,
+            bs * draft_tokens * (prefix_len + draft_tokens) + 1,
+            draft_tokens * (prefix_len + draft_tokens),
+            device=dev,
+            dtype=torch.int64,
+        ),
+        max_len_extend=draft_tokens,
+        k_scale=1.0,
+        v_scale=1.0,
+    )
+
+
+def time_us(args: dict, short_tile: bool) -> tuple[float, torch.Tensor]:
+    triton_short_extend._ENABLED = short_tile
+    fn = lambda: extend_attention_fwd(**args)  # noqa: E731
+    fn()
+    us = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
+    return us, args["o_extend"].clone()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-sizes", default="1,16,48,64")
+    p.add_argument("--draft-tokens", default="2,4,8,32")
+    p.add_argument("--prefix-lens", default="256,1024")
+    p.add_argument("--heads", default="32,8,128", help="query heads, kv heads, dim")
+    p.add_argument("--out")
+    a = p.parse_args()
+    heads, kv_heads, dim = (int(x) for x in a.heads.split(","))
+    rows = []
+    print(
+        f"{'bs':>4} {'prefix':>6} {'draft':>5} {'upstream us':>12} {'short us':>9} ratio"
+    )
+    for prefix_len in (int(x) for x in a.prefix_lens.split(",")):
+        for bs in (int(x) for x in a.batch_sizes.split(",")):
+            for draft_tokens in (int(x) for x in a.draft_tokens.split(",")):
+                args = verify_batch(bs, prefix_len, draft_tokens, heads, kv_heads, dim)
+                upstream, out_upstream = time_us(args, short_tile=False)
+                short, out_short = time_us(args, short_tile=True)
+                torch.testing.assert_close(
+                    out_short, out_upstream, atol=2e-2, rtol=2e-2
+                )
+                rows.append(
+                    dict(
+                        bs=bs,
+                        prefix_len=prefix_len,
+                        draft_tokens=draft_tokens,
+                        upstream_us=upstream,
+                        short_us=short,
+                    )
+                )
+                print(
+                    f"{bs:>4} {prefix_len:>6} {draft_tokens:>5} {upstream:>12.1f} "
+                    f"{short:>9.1f} {upstream / short:.2f}x",
+                    flush=True,
+                )
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
