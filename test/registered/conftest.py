@@ -84,6 +84,13 @@ def toy_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_pair(tmp_path_factory):
+    """4-layer target with 8 query heads + EAGLE draft (~70 %): enough heads that a verify at
+    bs 48 launches the (request, head) pairs triton's short extend tile needs."""
+    return _pair(tmp_path_factory, "small", 0.7)
+
+
+@pytest.fixture(scope="session")
 def standalone_pair(tmp_path_factory):
     """The toy Llama target + a STANDALONE draft, an ordinary Llama LM agreeing with it on ~70%
     of tokens (specpatch.testing.synth_standalone)."""

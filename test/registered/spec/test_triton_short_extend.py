@@ -10,6 +10,8 @@ import torch
 
 from sglang.srt.layers.attention import triton_short_extend
 from sglang.srt.layers.attention.triton_short_extend import short_extend_launch
+from specpatch.testing import engine as eng
+from specpatch.testing import synth
 
 HOPPER = (128, 8)  # upstream's prefill tile and warps on Hopper
 
@@ -178,3 +180,40 @@ def test_short_tiles_match_plain_attention(bs, prefix_lens, draft_tokens, monkey
     monkeypatch.setattr(triton_short_extend, "_ENABLED", False)
     upstream = run_kernel(x, draft_tokens)
     torch.testing.assert_close(short, upstream, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "spec",
+    [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
+    ids=lambda s: s.label,
+)
+def test_servers_with_short_tiles_stay_token_identical(
+    small_pair, spec, monkeypatch, record_metric
+):
+    """Spec v2 with the short tile on (the engine's processes read the variable at start-up)
+    at batch sizes where it applies, CUDA graphs on: identical to the table (no-spec).
+    """
+    from sglang.srt.layers.attention.triton_short_extend import MIN_PROGRAMS
+
+    target, draft = small_pair
+    heads = synth.load_meta(target)["spec"]["num_heads"]
+    batch_sizes = (48, 64)
+    assert min(batch_sizes) * heads >= MIN_PROGRAMS, "the tile would not apply"
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    prompts = eng.random_prompts(max(batch_sizes), vocab, seed=5)
+    expected = synth.table_continuations(target, prompts, 48)
+    monkeypatch.setenv("SGLANG_TRITON_SHORT_EXTEND_TILE", "1")
+    kwargs = eng.engine_kwargs(
+        target, draft, spec, cuda_graph=True, cuda_graph_bs=list(batch_sizes)
+    )
+    with eng.engine(**kwargs) as e:
+        assert e.server_args.attention_backend == "triton"
+        assert e.server_args.disable_overlap_schedule is False
+        accept = {}
+        for bs in batch_sizes:
+            run = eng.generate(e, prompts[:bs], 48)
+            eng.assert_identical(run, expected[:bs], f"bs {bs}")
+            accept[bs] = round(run.accept_length, 3)
+    record_metric("accept_length_by_bs", accept)
+    assert all(a > 1.0 for a in accept.values()), accept
