@@ -18,18 +18,13 @@ REPO = Path(__file__).resolve().parents[3]
 CACHE = REPO / ".cache" / "upstream"
 
 # (patch, the earlier patch whose lines it rewrites) left for the re-cut. Each needs the tree
-# itself to change, so it waits for a GPU run (README.md, "Rewrites left"): the
-# canary brackets re-indent the draft step and draft-extend lines that 0001 and 0009 add,
-# and the shape policy widens 0009's next-input top-k argument.
+# itself to change, so it waits for a GPU run (README.md, "Rewrites left"): the canary
+# brackets re-indent the draft step and draft-extend lines that 0001 and 0009 add.
 KNOWN_REWRITES = {
     ("0006-kv-canary-wiring.patch", "0001-spec-topk1-chain-draft-fast-path.patch"),
     (
         "0009-spec-v2-draft-extend-selects-next-input-in-graph.patch",
         "0006-kv-canary-wiring.patch",
-    ),
-    (
-        "0024-spec-v2-shape-policy.patch",
-        "0009-spec-v2-draft-extend-selects-next-input-in-graph.patch",
     ),
 }
 
