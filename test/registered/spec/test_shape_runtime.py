@@ -683,6 +683,17 @@ def test_the_trace_says_what_each_result_taught_the_policy(tmp_path):
     assert set(result["scores"]) == {"16,3,32", "4,3,8"}
 
 
+def test_a_trace_in_a_missing_directory_is_refused_at_start_up(tmp_path):
+    with pytest.raises(ValueError, match="its directory does not exist"):
+        rt.read_shape_policy(
+            write_config(
+                tmp_path,
+                shapes=["16,3,32", "4,3,8"],
+                trace=str(tmp_path / "no-such-dir" / "trace.jsonl"),
+            )
+        )
+
+
 def test_a_trace_must_be_a_path(tmp_path):
     with pytest.raises(ValueError, match='"trace" must be a file path'):
         rt.read_shape_policy(

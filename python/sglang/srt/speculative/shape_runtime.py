@@ -119,6 +119,10 @@ def read_shape_policy(
     trace = raw.get("trace")
     if trace is not None and (not isinstance(trace, str) or not trace):
         raise ValueError(f'{CONFIG_FLAG} {path}: "trace" must be a file path')
+    if trace is not None and not Path(trace).absolute().parent.is_dir():
+        raise ValueError(
+            f'{CONFIG_FLAG} {path}: "trace" {trace}: its directory does not exist'
+        )
     return ShapePolicyConfig(policy, every, costs, trace)
 
 
