@@ -190,17 +190,23 @@ class StepCostTable:
         return self._prior(shape, bs) * (self._unit() or 1.0)
 
     def observe(self, shape: Shape, bs: int, seconds: float) -> None:
-        """A measured step: the point at bs moves towards it (is set by the first)."""
+        """A measured step: the point at bs moves towards it (is set by the first, and
+        replaced where the two are over ONE_OFF_RATIO apart and the step is believed).
+        """
         if not seconds > 0:  # a clock that did not advance measured nothing
             return
-        if self._units and seconds > self.ONE_OFF_RATIO * self.seconds(shape, bs):
+        slow = bool(self._units) and seconds > self.ONE_OFF_RATIO * self.seconds(
+            shape, bs
+        )
+        if slow:
             self._slow[shape] = self._slow.get(shape, 0) + 1
             if self._slow[shape] < self.ONE_OFF_STREAK:
                 return
         self._slow.pop(shape, None)
         by_bs = self._points.setdefault(shape, {})
         point = by_bs.get(bs)
-        if point is not None and seconds * self.ONE_OFF_RATIO >= point:
+        # A believed slow streak, or a point far above this step (a one-off set it): replace.
+        if point is not None and not slow and seconds * self.ONE_OFF_RATIO >= point:
             a = self._ema_alpha
             seconds = (1 - a) * point + a * seconds
         self._set(shape, bs, seconds)
