@@ -48,15 +48,15 @@ CONFIGS = {
     "narrow": (eng.SpecConfig(4, 3, 8), {}),
     "chain1": (eng.SpecConfig(1, 1, 2), {}),
     "policy": (eng.SpecConfig(16, 3, 32), {}),
-    # The chain and the wide tree with triton's query tile sized to the verify / draft
-    # extend (layers/attention/triton_short_extend.py, off by default), for an A/B in one run.
-    "chain-short-tile": (
+    # The chain and the wide tree with upstream's query tile for triton's extend attention
+    # (layers/attention/triton_short_extend.py sizes it to the verify), for an A/B in one run.
+    "chain-upstream-tile": (
         eng.SpecConfig(1, 3, 4),
-        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_TRITON_SHORT_EXTEND_TILE": "1"},
+        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_TRITON_SHORT_EXTEND_TILE": "0"},
     ),
-    "tree-short-tile": (
+    "tree-upstream-tile": (
         eng.SpecConfig(16, 3, 32),
-        {"SGLANG_TRITON_SHORT_EXTEND_TILE": "1"},
+        {"SGLANG_TRITON_SHORT_EXTEND_TILE": "0"},
     ),
 }
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
@@ -75,9 +75,9 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
         eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
         {},
     )
-    CONFIGS["tree-short-tile"] = (
+    CONFIGS["tree-upstream-tile"] = (
         eng.SpecConfig(topk, num_steps, num_draft_tokens),
-        CONFIGS["tree-short-tile"][1],
+        CONFIGS["tree-upstream-tile"][1],
     )
 
 

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from sglang.srt.layers.attention import triton_short_extend
-from sglang.srt.layers.attention.triton_short_extend import short_extend_launch
+from sglang.srt.layers.attention.triton_short_extend import (
+    enabled_by_env,
+    short_extend_launch,
+)
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
 
@@ -44,6 +47,12 @@ def test_upstream_tile_where_short_tiles_do_not_pay(monkeypatch):
     assert short_extend_launch(torch.tensor(2), 64, 32, *HOPPER) == HOPPER
     monkeypatch.setattr(triton_short_extend, "_ENABLED", False)
     assert short_extend_launch(2, 64, 32, *HOPPER) == HOPPER
+
+
+def test_short_tiles_are_on_unless_the_env_says_0():
+    assert enabled_by_env({})
+    assert enabled_by_env({"SGLANG_TRITON_SHORT_EXTEND_TILE": "1"})
+    assert not enabled_by_env({"SGLANG_TRITON_SHORT_EXTEND_TILE": "0"})
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -203,7 +212,7 @@ def test_servers_with_short_tiles_stay_token_identical(
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = eng.random_prompts(max(batch_sizes), vocab, seed=5)
     expected = synth.table_continuations(target, prompts, 48)
-    monkeypatch.setenv("SGLANG_TRITON_SHORT_EXTEND_TILE", "1")
+    monkeypatch.delenv("SGLANG_TRITON_SHORT_EXTEND_TILE", raising=False)  # the default
     kwargs = eng.engine_kwargs(
         target, draft, spec, cuda_graph=True, cuda_graph_bs=list(batch_sizes)
     )

@@ -15,9 +15,8 @@ bound by how fast it walks the prefix, which upstream's 8-warp tile does faster,
 of fewer than MIN_PROGRAMS (request, head) pairs keeps upstream's tile. The extend length must
 be a host int: a device tensor (read without a sync) keeps upstream's tile too.
 
-Off unless SGLANG_TRITON_SHORT_EXTEND_TILE=1 until a server run on the GPU has shown token
-identity and the end-to-end speed-up: the kernel matches plain attention on the GPU with either
-tile (test_triton_short_extend.py), but no engine has run with it yet.
+On by default; SGLANG_TRITON_SHORT_EXTEND_TILE=0 restores upstream's tile everywhere (for an
+A/B, or should a GPU's triton mis-compile the small tile).
 """
 
 from __future__ import annotations
@@ -31,7 +30,13 @@ SMALL_TILE_ROWS = 32
 # (request, head) pairs from which short tiles are faster: bs 8 of a 32-head model.
 MIN_PROGRAMS = 256
 
-_ENABLED = os.environ.get("SGLANG_TRITON_SHORT_EXTEND_TILE", "0") == "1"
+
+def enabled_by_env(environ=os.environ) -> bool:
+    """Short tiles unless SGLANG_TRITON_SHORT_EXTEND_TILE is "0"."""
+    return environ.get("SGLANG_TRITON_SHORT_EXTEND_TILE", "1") != "0"
+
+
+_ENABLED = enabled_by_env()
 
 
 def _next_power_of_2(n: int) -> int:
