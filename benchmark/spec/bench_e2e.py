@@ -93,16 +93,20 @@ def set_policy_shapes(labels: list[str]) -> None:
     POLICY_SHAPES[:] = labels
 
 
-def policy_config_file() -> str:
+def policy_config_file(force_switch_every: int = 0) -> str:
     """--speculative-adaptive-config of the policy config: --policy-config, else its
-    "shapes"; with --policy-trace, a copy that traces."""
+    "shapes"; with --policy-trace, a copy that traces. force_switch_every > 0: a copy that
+    cycles through the shapes that often and traces nothing (the JIT warm-up)."""
     given = POLICY_CONFIG[0]
-    if given is not None and POLICY_TRACE[0] is None:
+    if given is not None and POLICY_TRACE[0] is None and not force_switch_every:
         return given
     config = {"shapes": POLICY_SHAPES}
     if given is not None:
         config = json.loads(Path(given).read_text())
-    if POLICY_TRACE[0] is not None:
+    if force_switch_every:
+        config["force_switch_every"] = force_switch_every
+        config.pop("trace", None)
+    elif POLICY_TRACE[0] is not None:
         config["trace"] = POLICY_TRACE[0]
     path = Path(tempfile.mkdtemp()) / "shape-policy.json"
     path.write_text(json.dumps(config))
@@ -162,6 +166,7 @@ def engine_settings(
     batch_sizes: list[int],
     attention_backend: str,
     mixed: Optional[MixedLoad] = None,
+    force_switch_every: int = 0,
 ) -> dict:
     """Engine kwargs of config `name` for a run at `batch_sizes`. CUDA graphs are captured at
     exactly those sizes: sglang's default list for spec decoding up to bs 48 has 23 sizes,
@@ -173,7 +178,8 @@ def engine_settings(
     extra = {}
     if config == "policy":
         extra.update(
-            speculative_adaptive=True, speculative_adaptive_config=policy_config_file()
+            speculative_adaptive=True,
+            speculative_adaptive_config=policy_config_file(force_switch_every),
         )
     if mixed is None:
         extra["cuda_graph_bs"] = sorted(set(batch_sizes))
@@ -187,6 +193,38 @@ def engine_settings(
         page_size=page_size,
         **extra,
     )
+
+
+def warm_jit_caches(
+    target,
+    draft,
+    names: list[str],
+    batch_sizes: list[int],
+    vocab: int,
+    attention_backend: str,
+    mixed: Optional[MixedLoad],
+) -> None:
+    """Start and discard one engine that runs the kernels the measured engines will.
+
+    Triton compiles the eager kernels between graph replays on first use, per process tree,
+    and keeps them in its on-disk cache; many are specialised on the batch size rounded up to
+    a power of two, and on the shape. A step that compiles takes 100-500 ms instead of a few,
+    and whichever engine first runs a (shape, batch size) pays it: the shape policy, which
+    runs every shape of its set at every size a mixed load passes, paid for the fixed shapes
+    measured after it. With a policy config in the run, the warm-up engine is the policy
+    cycling through its shapes every step at each power of two up to the largest batch;
+    otherwise the first config at bs 1 (the first engine's one-time costs)."""
+    if not any(split_config(n, attention_backend)[0] == "policy" for n in names):
+        measure(target, draft, names[0], [1], 16, vocab, 1, attention_backend)
+        return
+    largest = max([*batch_sizes, mixed.requests if mixed else 0])
+    sizes = sorted({*batch_sizes, *(1 << i for i in range(largest.bit_length()))})
+    kwargs = engine_settings(
+        target, draft, "policy", sizes, attention_backend, mixed, force_switch_every=1
+    )
+    with eng.engine(**kwargs) as e:
+        for bs in sizes:
+            eng.generate(e, eng.random_prompts(bs, vocab, seed=bs), 16)
 
 
 def measure(
@@ -328,7 +366,10 @@ def main() -> None:
     # The first engine in a process pays one-time costs (kernel JIT and autotune caches) that
     # otherwise favour whichever config is measured later: start and discard one first.
     backend = {"attention_backend": args.attention_backend}
-    measure(target, draft, names[0], [1], 16, vocab, repeats=1, **backend)
+    mixed = MixedLoad.parse(args.mixed_load) if args.mixed_load else None
+    warm_jit_caches(
+        target, draft, names, batch_sizes, vocab, args.attention_backend, mixed
+    )
     best: dict[tuple, dict] = {}  # (config, bs) -> the fastest row of its engines
     per_round: dict[tuple, list] = {}  # (config, bs) -> tok/s of each round's engine
     for _ in range(args.rounds):
@@ -341,7 +382,7 @@ def main() -> None:
                 args.max_new_tokens,
                 vocab,
                 repeats=args.repeats,
-                mixed=MixedLoad.parse(args.mixed_load) if args.mixed_load else None,
+                mixed=mixed,
                 **backend,
             ):
                 r["engines"] = args.rounds

@@ -85,6 +85,52 @@ def test_the_policy_config_runs_the_shape_policy_over_its_shapes(monkeypatch):
     assert "speculative_adaptive" not in fixed
 
 
+def test_the_warm_up_cycles_the_policy_through_every_power_of_two(
+    monkeypatch, tmp_path
+):
+    import contextlib
+    import json
+
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    started, batches = [], []
+
+    @contextlib.contextmanager
+    def fake_engine(**kwargs):
+        started.append(kwargs)
+        yield "engine"
+
+    monkeypatch.setattr(bench_e2e.eng, "engine", fake_engine)
+    monkeypatch.setattr(
+        bench_e2e.eng, "generate", lambda e, prompts, n: batches.append(len(prompts))
+    )
+    monkeypatch.setattr(bench_e2e, "POLICY_TRACE", [str(tmp_path / "trace.jsonl")])
+    bench_e2e.warm_jit_caches(
+        Path("/t"),
+        Path("/d"),
+        ["none", "policy", "chain"],
+        [1, 48],
+        100,
+        "triton",
+        bench_e2e.MixedLoad(64, 1.5),
+    )
+    assert batches == [1, 2, 4, 8, 16, 32, 48, 64]
+    (kwargs,) = started
+    config = json.loads(Path(kwargs["speculative_adaptive_config"]).read_text())
+    assert config["force_switch_every"] == 1
+    assert config["shapes"] == bench_e2e.POLICY_SHAPES
+    assert "trace" not in config  # the measured policy engine's trace stays its own
+    assert kwargs["max_running_requests"] == 64
+
+
+def test_without_a_policy_the_warm_up_is_the_first_config_at_bs_1(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench_e2e, "measure", lambda *a, **k: calls.append(a[2:4]))
+    bench_e2e.warm_jit_caches(
+        Path("/t"), Path("/d"), ["none", "chain"], [1, 48], 100, "triton", None
+    )
+    assert calls == [("none", [1])]
+
+
 def test_a_mixed_load_keeps_sglangs_graph_sizes_and_sorts_last(monkeypatch):
     monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
     mixed = bench_e2e.MixedLoad.parse("64:2.5")
