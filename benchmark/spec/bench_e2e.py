@@ -211,19 +211,27 @@ def warm_jit_caches(
     a power of two, and on the shape. A step that compiles takes 100-500 ms instead of a few,
     and whichever engine first runs a (shape, batch size) pays it: the shape policy, which
     runs every shape of its set at every size a mixed load passes, paid for the fixed shapes
-    measured after it. With a policy config in the run, the warm-up engine is the policy
-    cycling through its shapes every step at each power of two up to the largest batch;
-    otherwise the first config at bs 1 (the first engine's one-time costs)."""
+    measured after it. The first replay of each captured CUDA graph is slow too. With a policy
+    config in the run, the warm-up engine is the policy cycling through its shapes every step
+    at each power of two and each captured size up to the largest batch; otherwise the first
+    config at bs 1 (the first engine's one-time costs)."""
     if not any(split_config(n, attention_backend)[0] == "policy" for n in names):
         measure(target, draft, names[0], [1], 16, vocab, 1, attention_backend)
         return
     largest = max([*batch_sizes, mixed.requests if mixed else 0])
-    sizes = sorted({*batch_sizes, *(1 << i for i in range(largest.bit_length()))})
+    sizes = {*batch_sizes, *(1 << i for i in range(largest.bit_length()))}
     kwargs = engine_settings(
-        target, draft, "policy", sizes, attention_backend, mixed, force_switch_every=1
+        target,
+        draft,
+        "policy",
+        sorted(sizes),
+        attention_backend,
+        mixed,
+        force_switch_every=1,
     )
     with eng.engine(**kwargs) as e:
-        for bs in sizes:
+        captured = e.server_args.cuda_graph_bs or []
+        for bs in sorted(sizes | {b for b in captured if b <= largest}):
             eng.generate(e, eng.random_prompts(bs, vocab, seed=bs), 16)
 
 

@@ -85,19 +85,24 @@ def test_the_policy_config_runs_the_shape_policy_over_its_shapes(monkeypatch):
     assert "speculative_adaptive" not in fixed
 
 
-def test_the_warm_up_cycles_the_policy_through_every_power_of_two(
+def test_the_warm_up_cycles_the_policy_through_every_bucket_and_graph(
     monkeypatch, tmp_path
 ):
     import contextlib
     import json
+    import types
 
     monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
     started, batches = [], []
 
+    class FakeEngine:
+        # what sglang resolves for a mixed load (its default list)
+        server_args = types.SimpleNamespace(cuda_graph_bs=[1, 2, 4, 8, 12, 24, 80])
+
     @contextlib.contextmanager
     def fake_engine(**kwargs):
         started.append(kwargs)
-        yield "engine"
+        yield FakeEngine()
 
     monkeypatch.setattr(bench_e2e.eng, "engine", fake_engine)
     monkeypatch.setattr(
@@ -113,7 +118,7 @@ def test_the_warm_up_cycles_the_policy_through_every_power_of_two(
         "triton",
         bench_e2e.MixedLoad(64, 1.5),
     )
-    assert batches == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batches == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]  # not 80: above the largest
     (kwargs,) = started
     config = json.loads(Path(kwargs["speculative_adaptive_config"]).read_text())
     assert config["force_switch_every"] == 1
