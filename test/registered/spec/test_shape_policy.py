@@ -166,6 +166,42 @@ def test_a_one_off_slow_step_does_not_set_what_a_shape_costs():
     )
 
 
+def test_a_one_off_at_a_batch_size_never_run_again_is_dropped_by_warm_steps_elsewhere():
+    """The wide tree's first step, at bs 21 of a growing batch, took 727 ms; warm steps at
+    bs 57 and 64 took 52-55 ms, and the tree never ran near bs 21 again. Its bs 21 point must
+    not go on pricing the tree at small batch (211 ms at bs 1, where a step takes 6 ms).
+    """
+    table = StepCostTable({}, ema_alpha=0.2)
+    table.observe(WIDE, 21, 0.727)
+    table.observe(WIDE, 57, 52.0e-3)
+    table.observe(WIDE, 64, 55.0e-3)
+    warm_unit = 55.0e-3 / prior_step_cost(WIDE, 64)
+    assert table.seconds(WIDE, 1) == pytest.approx(
+        52.0e-3 / prior_step_cost(WIDE, 57) * prior_step_cost(WIDE, 1)
+    )
+    assert table.seconds(WIDE, 21) < 2 * warm_unit * prior_step_cost(WIDE, 21)
+    # Unmeasured shapes are priced from the warm points alone.
+    assert table.seconds(CHAIN, 1) < 2 * warm_unit * prior_step_cost(CHAIN, 1)
+    # Points within ONE_OFF_RATIO of each other per unit all stay: a dearer batch size is
+    # what the shape costs there.
+    table.observe(NARROW, 1, 6.0e-3)
+    dearer = 3.0 * 6.0e-3 / prior_step_cost(NARROW, 1) * prior_step_cost(NARROW, 16)
+    table.observe(NARROW, 16, dearer)
+    table.observe(NARROW, 1, 6.0e-3)
+    assert table.seconds(NARROW, 16) == pytest.approx(dearer)
+
+
+def test_the_policy_runs_the_wide_tree_at_bs_1_after_its_first_step_was_a_one_off():
+    cfg = PolicyConfig(shapes=(WIDE, CHAIN), patience=2)
+    table = StepCostTable({CHAIN: {1: 6.3e-3, 64: 10.5e-3}}, cfg.ema_alpha)
+    policy = ShapePolicy(
+        cfg, table, CHAIN, initial_accept_lengths={WIDE: 2.72, CHAIN: 2.37}
+    )
+    for bs, seconds in ((21, 0.727), (57, 52.0e-3), (64, 55.0e-3)):
+        table.observe(WIDE, bs, seconds)
+    assert run(policy, 1, 3)[-1] == WIDE
+
+
 def test_the_prior_prices_verify_width_and_draft_steps():
     assert prior_step_cost(NONE, 1) < prior_step_cost(Shape(1, 1, 2), 1)
     assert prior_step_cost(CHAIN, 1) < prior_step_cost(NARROW, 1)

@@ -142,9 +142,13 @@ class StepCostTable:
     run; the next measured step replaces the guess.
 
     A step far slower than the table expects is a one-off, not what the shape costs: the first
-    step of a shape or of a new batch size compiles kernels and grows allocators, and took up
-    to a few hundred times a warm step. It is left out unless the steps after it are as slow.
-    A point far above a measured step was set by such a one-off and is replaced.
+    step of a shape or of a new batch size compiles kernels, replays a CUDA graph for the
+    first time and grows allocators, and took up to a few hundred times a warm step. It is
+    left out unless the steps after it are as slow. A point far above a measured step was set
+    by such a one-off and is replaced: at the step's own batch size, and at the shape's other
+    batch sizes where it is ONE_OFF_RATIO times dearer per prior unit (the prior's growth
+    over batch sizes is right to well within that), since a one-off that set the only point of
+    a batch size is otherwise never run there again to be corrected.
     """
 
     # How many times the expected seconds a step may take and still be believed.
@@ -210,6 +214,7 @@ class StepCostTable:
             a = self._ema_alpha
             seconds = (1 - a) * point + a * seconds
         self._set(shape, bs, seconds)
+        self._drop_one_offs(shape, bs)
 
     def _set(self, shape: Shape, bs: int, seconds: float) -> None:
         by_bs = self._points[shape]
@@ -219,6 +224,16 @@ class StepCostTable:
             self._points[shape] = dict(sorted(by_bs.items()))
         self._units[(shape, bs)] = seconds / self._prior(shape, bs)
         self._seconds_per_unit = None
+
+    def _drop_one_offs(self, shape: Shape, bs: int) -> None:
+        """Forget the shape's points that cost ONE_OFF_RATIO times the point at bs per
+        prior unit."""
+        ceiling = self.ONE_OFF_RATIO * self._units[(shape, bs)]
+        by_bs = self._points[shape]
+        for other in [b for b in by_bs if self._units[(shape, b)] > ceiling]:
+            del by_bs[other]
+            del self._units[(shape, other)]
+            self._seconds_per_unit = None
 
     def _unit(self) -> Optional[float]:
         """Median seconds per prior unit over the points (None before the first)."""
