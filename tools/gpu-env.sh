@@ -8,6 +8,12 @@ if [ ! -f .gpu-bundle/env.sh ] && [ -f .gpu-bundle-xz/deps.tar.xz ]; then
   mkdir -p .gpu-bundle && for a in .gpu-bundle-xz/*.tar.xz; do tar -xJf "$a" -C .gpu-bundle; done
 fi
 python3 -c "import sglang" 2>/dev/null && [ -n "${PYTHONPATH:-}" ] || source .gpu-bundle/env.sh
+# The bundle's IPython stand-in lacks what matplotlib asks a loaded IPython (bench_e2e --png):
+# from version 8.24 on it leaves notebook hooks alone.
+ipython_shim=.gpu-bundle/shim/IPython/__init__.py
+if [ -f "$ipython_shim" ] && ! grep -q version_info "$ipython_shim"; then
+  echo "version_info = (8, 24)" >>"$ipython_shim"
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu-site .whl/*.whl 2>&1 | grep -v WARNING
 fi
