@@ -58,6 +58,21 @@ CONFIGS = {
         eng.SpecConfig(16, 3, 32),
         {"SGLANG_TRITON_SHORT_EXTEND_TILE": "0"},
     ),
+    # ... and with the verify's prefix split across programs at small batch
+    # (layers/attention/triton_split_prefix.py, off by default).
+    "chain-split-prefix": (
+        eng.SpecConfig(1, 3, 4),
+        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"},
+    ),
+    "tree-split-prefix": (
+        eng.SpecConfig(16, 3, 32),
+        {"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"},
+    ),
+}
+# Env switches of the kernel A/B configs above.
+KERNEL_SWITCHES = {
+    "SGLANG_TRITON_SHORT_EXTEND_TILE",
+    "SGLANG_TRITON_SPLIT_PREFIX_EXTEND",
 }
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
 # A --speculative-adaptive-config for the policy config (e.g. one --write-policy-config
@@ -75,10 +90,11 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
         eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
         {},
     )
-    CONFIGS["tree-upstream-tile"] = (
-        eng.SpecConfig(topk, num_steps, num_draft_tokens),
-        CONFIGS["tree-upstream-tile"][1],
-    )
+    for name in ("tree-upstream-tile", "tree-split-prefix"):
+        CONFIGS[name] = (
+            eng.SpecConfig(topk, num_steps, num_draft_tokens),
+            CONFIGS[name][1],
+        )
 
 
 def set_policy_config(path: str) -> None:
@@ -515,8 +531,7 @@ def is_fixed_shape_like(name: str, policy: str) -> bool:
     spec, env = CONFIGS[config]
     return (
         config != "policy"
-        and "SGLANG_TRITON_SHORT_EXTEND_TILE"
-        not in env  # an A/B of the kernel, not a shape
+        and not KERNEL_SWITCHES & env.keys()  # an A/B of a kernel, not a shape
         and spec is not None
         and spec.overlap
         and (backend, page) == split_config(policy, "")[1:]

@@ -1,12 +1,13 @@
-"""Triton extend attention at speculative verify shapes: upstream's prefill query tile against
-a tile as long as the extend (sglang.srt.layers.attention.triton_short_extend), one process,
-side by side.
+"""Triton extend attention at speculative verify shapes, one process, side by side: upstream's
+prefill query tile; a tile as long as the extend (sglang.srt.layers.attention.triton_short_extend);
+and that plus the split prefix at small batch (triton_split_prefix), i.e. what the series runs
+with SGLANG_TRITON_SPLIT_PREFIX_EXTEND=1.
 
     python benchmark/spec/bench_verify_attention.py --batch-sizes 1,16,64 --draft-tokens 2,4,32
 
 Each row: microseconds per call for one layer (heads/kv heads/head dim of a Llama-3-8B-shaped
-target by default) and the ratio upstream / short. The outputs are compared too: the tile
-changes the work, not the attention.
+target by default) and the ratios upstream / short and upstream / split. The outputs are
+compared too: both change the work, not the attention.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import torch
 import triton.testing
 
-from sglang.srt.layers.attention import triton_short_extend
+from sglang.srt.layers.attention import triton_short_extend, triton_split_prefix
 from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
 
@@ -63,8 +64,11 @@ def verify_batch(bs, prefix_len, draft_tokens, heads, kv_heads, dim):
     )
 
 
-def time_us(args: dict, short_tile: bool) -> tuple[float, torch.Tensor]:
+def time_us(
+    args: dict, short_tile: bool, split_prefix: bool
+) -> tuple[float, torch.Tensor]:
     triton_short_extend._ENABLED = short_tile
+    triton_split_prefix._ENABLED = split_prefix
     fn = lambda: extend_attention_fwd(**args)  # noqa: E731
     fn()
     us = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
@@ -82,17 +86,18 @@ def main() -> None:
     heads, kv_heads, dim = (int(x) for x in a.heads.split(","))
     rows = []
     print(
-        f"{'bs':>4} {'prefix':>6} {'draft':>5} {'upstream us':>12} {'short us':>9} ratio"
+        f"{'bs':>4} {'prefix':>6} {'draft':>5} {'upstream us':>12} {'short us':>9} "
+        f"{'split us':>9} {'short':>6} {'split':>6}"
     )
     for prefix_len in (int(x) for x in a.prefix_lens.split(",")):
         for bs in (int(x) for x in a.batch_sizes.split(",")):
             for draft_tokens in (int(x) for x in a.draft_tokens.split(",")):
                 args = verify_batch(bs, prefix_len, draft_tokens, heads, kv_heads, dim)
-                upstream, out_upstream = time_us(args, short_tile=False)
-                short, out_short = time_us(args, short_tile=True)
-                torch.testing.assert_close(
-                    out_short, out_upstream, atol=2e-2, rtol=2e-2
-                )
+                upstream, out_upstream = time_us(args, False, False)
+                short, out_short = time_us(args, True, False)
+                split, out_split = time_us(args, True, True)
+                for out in (out_short, out_split):
+                    torch.testing.assert_close(out, out_upstream, atol=2e-2, rtol=2e-2)
                 rows.append(
                     dict(
                         bs=bs,
@@ -100,11 +105,13 @@ def main() -> None:
                         draft_tokens=draft_tokens,
                         upstream_us=upstream,
                         short_us=short,
+                        split_us=split,
                     )
                 )
                 print(
                     f"{bs:>4} {prefix_len:>6} {draft_tokens:>5} {upstream:>12.1f} "
-                    f"{short:>9.1f} {upstream / short:.2f}x",
+                    f"{short:>9.1f} {split:>9.1f} {upstream / short:>5.2f}x "
+                    f"{upstream / split:>5.2f}x",
                     flush=True,
                 )
     if a.out:

@@ -1,0 +1,128 @@
+"""Cases for triton_split_prefix, run under triton's CPU interpreter by
+test_triton_split_prefix.py (and on CUDA by its GPU test): the two-launch split-prefix attention
+against the plain-torch reference on random verify and extend inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+from sglang.srt.layers.attention import triton_split_prefix as sp
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prefix_lens: tuple[int, ...]
+    # Rows per request; a verify has num_draft_tokens for every request.
+    extend_lens: tuple[int, ...]
+    heads: int
+    kv_heads: int
+    dim: int
+    # "tree": a random tree's custom mask; "star": each row sees the root and itself;
+    # "causal": no custom mask, causal.
+    mask: str
+    num_splits: Optional[int] = None  # None: what plan_split_prefix picks
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+CASES = [
+    Case("bs1_one_row_no_prefix", (0,), (1,), 4, 2, 16, "causal"),
+    Case("bs1_tree32_group4", (300,), (32,), 8, 2, 32, "tree"),
+    Case("bs1_chain4_prefix_below_splits", (5,), (4,), 8, 2, 16, "causal", 16),
+    Case("bs1_star8_one_split", (70,), (8,), 4, 1, 16, "star", 1),
+    Case("bs2_tree8_mha", (33, 64), (8, 8), 2, 2, 16, "tree"),
+    Case("bs3_group3_causal_uneven", (40, 1, 97), (1, 4, 3), 6, 2, 16, "causal", 4),
+    Case("bs2_scaled_kv", (50, 20), (4, 4), 4, 2, 16, "tree", 2, 0.5, 2.0),
+]
+
+
+def tree_block(n: int, gen: torch.Generator, mask: str) -> torch.Tensor:
+    """[n, n] bool: row i sees its ancestors and itself (a random tree, or the star)."""
+    block = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        parent = 0 if mask == "star" else int(torch.randint(0, i, (1,), generator=gen))
+        block[i] |= block[parent]
+    return block
+
+
+def make_inputs(case: Case, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    total_prefix, tokens = sum(case.prefix_lens), sum(case.extend_lens)
+    pool = total_prefix + 16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    custom_mask, mask_indptr = None, torch.zeros(
+        len(case.prefix_lens) + 1, dtype=torch.int64
+    )
+    if case.mask != "causal":
+        blocks = []
+        for p, n in zip(case.prefix_lens, case.extend_lens):
+            full = torch.ones(n, p + n, dtype=torch.bool)
+            full[:, p:] = tree_block(n, gen, case.mask)
+            blocks.append(full.flatten())
+        custom_mask = torch.cat(blocks).to(device)
+        sizes = [n * (p + n) for p, n in zip(case.prefix_lens, case.extend_lens)]
+        mask_indptr[1:] = torch.tensor(sizes).cumsum(0)
+    kv_indptr = torch.zeros(len(case.prefix_lens) + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.tensor(case.prefix_lens).cumsum(0)
+    qo_indptr = torch.zeros(len(case.extend_lens) + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.tensor(case.extend_lens).cumsum(0)
+    return dict(
+        q_extend=randn(tokens, case.heads, case.dim),
+        k_extend=randn(tokens, case.kv_heads, case.dim),
+        v_extend=randn(tokens, case.kv_heads, case.dim),
+        k_buffer=randn(pool, case.kv_heads, case.dim),
+        v_buffer=randn(pool, case.kv_heads, case.dim),
+        qo_indptr=qo_indptr.to(device),
+        kv_indptr=kv_indptr.to(device),
+        # Scattered slots, as the KV pool hands them out.
+        kv_indices=torch.randperm(pool, generator=gen)[:total_prefix].to(device),
+        custom_mask=custom_mask,
+        is_causal=case.mask == "causal",
+        mask_indptr=mask_indptr.to(device),
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
+        sm_scale=case.dim**-0.5,
+    )
+
+
+def plan_for(case: Case) -> sp.SplitPlan:
+    saved, sp._ENABLED = sp._ENABLED, True
+    try:
+        plan = sp.plan_split_prefix(
+            max(case.extend_lens),
+            len(case.extend_lens),
+            case.heads,
+            case.kv_heads,
+            case.dim,
+            case.dim,
+        )
+    finally:
+        sp._ENABLED = saved
+    assert plan is not None, case
+    if case.num_splits is not None:
+        plan = dataclasses.replace(plan, num_splits=case.num_splits)
+    return plan
+
+
+def check(case: Case, device: str) -> None:
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = make_inputs(case, device, dtype)
+    expected = sp.reference_extend_attention(**x)
+    out = torch.full_like(x["q_extend"], float("nan"))
+    sp.split_prefix_extend_attention(plan_for(case), o_extend=out, **x)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_kernel_matches_reference(case):
+    check(case, "cpu")

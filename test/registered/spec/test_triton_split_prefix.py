@@ -1,0 +1,173 @@
+"""layers/attention/triton_split_prefix.py: when the split-prefix launch serves an extend (CPU),
+its kernels against the plain-torch reference (split_prefix_cases.py: on CPU through triton's
+interpreter, and on CUDA), and on CUDA against upstream's extend kernel on the same inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import split_prefix_cases
+import torch
+
+from sglang.srt.layers.attention import triton_split_prefix as sp
+from sglang.srt.layers.attention.triton_short_extend import MIN_PROGRAMS
+from specpatch.testing import engine as eng
+from specpatch.testing import synth
+from specpatch.testing.interpret import interpreter_suite
+
+HERE = Path(__file__).resolve().parent
+NAMES = [f"test_kernel_matches_reference[{c.name}]" for c in split_prefix_cases.CASES]
+
+# The partial kernel's prefix loop has device bounds, which the interpreter reads as one-element
+# arrays: numpy >= 2.5 refuses that (upstream's extend kernel does the same).
+interpreter_run, test_under_interpreter = interpreter_suite(
+    HERE / "split_prefix_cases.py", NAMES, strict_numpy=False
+)
+
+
+@pytest.fixture
+def enabled(monkeypatch):
+    monkeypatch.setattr(sp, "_ENABLED", True)
+
+
+def test_off_unless_the_env_says_1(monkeypatch):
+    assert not sp.enabled_by_env({})
+    assert sp.enabled_by_env({"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"})
+    monkeypatch.setattr(sp, "_ENABLED", False)
+    assert sp.plan_split_prefix(4, 1, 32, 8, 128, 128) is None
+
+
+def test_the_plan_packs_the_gqa_group_and_splits_towards_one_program_per_sm(enabled):
+    # bs 1 of a 32/8-head model, chain 1,3,4: 4 heads x 4 rows in a 16-row tile, 8 KV heads
+    # x 16 splits = 128 partial programs.
+    assert sp.plan_split_prefix(4, 1, 32, 8, 128, 128) == sp.SplitPlan(4, 4, 16, 16)
+    # tree 16,3,32: 4 x 32 = 128 rows; bs 4 -> 32 (request, KV head) pairs x 4 splits.
+    assert sp.plan_split_prefix(32, 4, 32, 8, 128, 128) == sp.SplitPlan(4, 32, 128, 4)
+    # Uneven lengths round up; a group of 3 pads its tile.
+    assert sp.plan_split_prefix(3, 2, 24, 8, 64, 64) == sp.SplitPlan(3, 4, 16, 8)
+    assert sp.plan_split_prefix(1, 1, 4, 4, 16, 16) == sp.SplitPlan(1, 1, 16, 16)
+
+
+@pytest.mark.parametrize(
+    "args,why",
+    [
+        ((4, 8, 32, 8, 128, 128), "256 (request, head) pairs: the short tile's"),
+        ((64, 1, 32, 8, 128, 128), "4 x 64 rows do not fit one tile"),
+        ((torch.tensor(4), 1, 32, 8, 128, 128), "a length on the device"),
+        ((0, 1, 32, 8, 128, 128), "nothing to extend"),
+        ((4, 1, 32, 8, 192, 128), "MLA-style split head dims"),
+        ((4, 1, 32, 8, 96, 96), "a head dim that is not a power of two"),
+    ],
+)
+def test_upstream_serves_what_the_plan_does_not_cover(enabled, args, why):
+    assert sp.plan_split_prefix(*args) is None, why
+
+
+def test_only_plain_attention_over_a_visible_prefix_is_split(enabled):
+    mask = torch.ones(4, dtype=torch.bool)
+    plain = dict(
+        logit_cap=0.0,
+        sinks=None,
+        sliding_window_size=-1,
+        xai_temperature_len=-1,
+        custom_mask=mask,
+        skip_prefix_custom_mask=True,
+    )
+    assert sp.plain_extend(**plain)
+    assert sp.plain_extend(
+        **{**plain, "custom_mask": None, "skip_prefix_custom_mask": False}
+    )
+    for key, value in [
+        ("logit_cap", 30.0),
+        ("sinks", torch.zeros(32)),
+        ("sliding_window_size", 4096),
+        ("xai_temperature_len", 1024),
+        ("skip_prefix_custom_mask", False),
+    ]:
+        assert not sp.plain_extend(**{**plain, key: value}), key
+    assert sp.plan_split_prefix(4, 1, 32, 8, 128, 128, plain=False) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case", split_prefix_cases.CASES, ids=[c.name for c in split_prefix_cases.CASES]
+)
+def test_kernel_matches_reference_on_cuda(case):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    split_prefix_cases.check(case, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix,rows", [(256, 4), (1024, 32), (3000, 2)])
+def test_matches_upstreams_extend_kernel_on_a_verify(prefix, rows):
+    """The Llama-3-8B shape (32 / 8 heads, dim 128) at bs 1, tree mask: the same attention
+    as upstream's kernel, to bf16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sglang.srt.layers.attention.triton_ops.extend_attention import (
+        extend_attention_fwd,
+    )
+
+    case = split_prefix_cases.Case("verify", (prefix,), (rows,), 32, 8, 128, "tree")
+    x = split_prefix_cases.make_inputs(case, "cuda", torch.bfloat16, seed=prefix)
+    ours = torch.empty_like(x["q_extend"])
+    sp.split_prefix_extend_attention(
+        split_prefix_cases.plan_for(case), o_extend=ours, **x
+    )
+    upstream = torch.empty_like(x["q_extend"])
+    extend_attention_fwd(
+        x["q_extend"],
+        x["k_extend"],
+        x["v_extend"],
+        upstream,
+        x["k_buffer"],
+        x["v_buffer"],
+        x["qo_indptr"],
+        x["kv_indptr"],
+        x["kv_indices"],
+        x["custom_mask"],
+        False,
+        x["mask_indptr"],
+        rows,
+        1.0,
+        1.0,
+        sm_scale=x["sm_scale"],
+    )
+    torch.testing.assert_close(ours, upstream, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "spec",
+    [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
+    ids=lambda s: s.label,
+)
+def test_servers_with_split_prefixes_stay_token_identical(
+    small_pair, spec, monkeypatch, record_metric
+):
+    """Spec v2 with the split prefix on (the engine's processes read the variable at
+    start-up) at batch sizes where it applies, CUDA graphs on: identical to the table.
+    """
+    target, draft = small_pair
+    heads = synth.load_meta(target)["spec"]["num_heads"]
+    batch_sizes = (1, 4, 24)
+    assert max(batch_sizes) * heads < MIN_PROGRAMS, "the split would not apply"
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    prompts = eng.random_prompts(max(batch_sizes), vocab, seed=7)
+    expected = synth.table_continuations(target, prompts, 48)
+    monkeypatch.setenv("SGLANG_TRITON_SPLIT_PREFIX_EXTEND", "1")
+    kwargs = eng.engine_kwargs(
+        target, draft, spec, cuda_graph=True, cuda_graph_bs=list(batch_sizes)
+    )
+    with eng.engine(**kwargs) as e:
+        assert e.server_args.attention_backend == "triton"
+        assert e.server_args.disable_overlap_schedule is False
+        accept = {}
+        for bs in batch_sizes:
+            run = eng.generate(e, prompts[:bs], 48)
+            eng.assert_identical(run, expected[:bs], f"bs {bs}")
+            accept[bs] = round(run.accept_length, 3)
+    record_metric("accept_length_by_bs", accept)
+    assert all(a > 1.0 for a in accept.values()), accept
