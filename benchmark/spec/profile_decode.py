@@ -277,6 +277,17 @@ def gpu_idle_by_launch_site(
     return [(site, round(us / num_steps, 1)) for site, us in idle.most_common(top)]
 
 
+def engine_settings(target, draft, name: str, bs: int) -> dict:
+    """bench_e2e's engine of config `name` (the policy's config file included), with CUDA
+    graphs at the profiled size only: capturing sglang's default list is most of start-up.
+    """
+    kwargs = bench_e2e.engine_settings(
+        target, draft, name, [bs], eng.BUNDLE_FLAGS["attention_backend"]
+    )
+    kwargs["max_running_requests"] = max(bs, 4)
+    return kwargs
+
+
 def profile_config(
     target,
     draft,
@@ -288,27 +299,13 @@ def profile_config(
     with_stack: bool = False,
     extra_env: dict[str, str] | None = None,
 ) -> dict:
-    config, backend, page_size = bench_e2e.split_config(
-        name, eng.BUNDLE_FLAGS["attention_backend"]
-    )
+    config, _, _ = bench_e2e.split_config(name, eng.BUNDLE_FLAGS["attention_backend"])
     spec, env = bench_e2e.CONFIGS[config]
     env = {**env, **(extra_env or {})}
     trace_dir = out_dir / name
     with (
         bench_e2e.scoped_env(env),
-        eng.engine(
-            **eng.engine_kwargs(
-                target,
-                draft,
-                spec,
-                max_running_requests=max(bs, 4),
-                max_total_tokens=eng.pool_tokens_for(target),
-                attention_backend=backend,
-                page_size=page_size,
-                # Only the profiled size: capturing sglang's default list is most of start-up.
-                cuda_graph_bs=[bs],
-            )
-        ) as e,
+        eng.engine(**engine_settings(target, draft, name, bs)) as e,
     ):
         prompts = eng.random_prompts(bs, vocab, seed=bs)
         warm = eng.best_of(e, prompts, 256, 1)

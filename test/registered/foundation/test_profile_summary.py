@@ -264,3 +264,18 @@ def test_gpu_idle_of_a_trace_without_gaps_is_empty():
         _gpu("kernel", 11, 10, 2),
     ]
     assert profile_decode.gpu_idle_by_launch_site(events, num_steps=1) == []
+
+
+def test_a_profiled_engine_is_bench_e2es_with_graphs_at_the_profiled_size(monkeypatch):
+    import json
+
+    monkeypatch.setattr(profile_decode.eng, "pool_tokens_for", lambda target: 1 << 16)
+    kwargs = profile_decode.engine_settings(Path("/t"), Path("/d"), "policy", 64)
+    assert kwargs["cuda_graph_bs"] == [64]
+    assert kwargs["max_running_requests"] == 64
+    # The policy config runs the shape policy, as in bench_e2e.
+    config = json.loads(Path(kwargs["speculative_adaptive_config"]).read_text())
+    assert config["shapes"] == profile_decode.bench_e2e.POLICY_SHAPES
+    small = profile_decode.engine_settings(Path("/t"), Path("/d"), "chain", 1)
+    assert small["max_running_requests"] == 4
+    assert "speculative_adaptive" not in small
