@@ -619,6 +619,26 @@ COSTS_7B = {
 ACCEPT_7B = {WIDE: 3.27, NARROW: 2.9, CHAIN: 2.57}
 
 
+def overlapped_policy(tmp_path, step_seconds):
+    """choose(bs) of a policy over COSTS_7B's shapes that runs each step for
+    step_seconds(shape, bs) on its clock and learns ACCEPT_7B's accept lengths one step late,
+    as under the overlap scheduler."""
+    controller, _, clock, _ = make_controller(tmp_path)
+    pending = []
+
+    def choose(bs):
+        shape = controller.before_decode(bs)
+        clock.now += step_seconds(shape, bs)
+        controller.after_decode()
+        if pending:
+            controller.on_verify_complete(pending.pop())
+        whole, frac = divmod(ACCEPT_7B[shape] - 1, 1)
+        pending.append([int(whole) + (j % 100 < frac * 100) for j in range(bs)])
+        return shape
+
+    return choose
+
+
 def test_the_policy_keeps_up_with_a_batch_that_changes_every_step(tmp_path):
     """Requests arriving and finishing move the batch size at every step, so most steps meet a
     (shape, batch size) not measured yet. Guesses are priced in the units of what was measured
@@ -630,18 +650,7 @@ def test_the_policy_keeps_up_with_a_batch_that_changes_every_step(tmp_path):
         return StepCostTable({shape: COSTS_7B[shape]}, 0.2).seconds(shape, bs)
 
     trace = [*range(1, 65), *range(64, 0, -1)] * 2
-    controller, _, clock, _ = make_controller(tmp_path)
-    pending = []
-
-    def policy_choice(bs):
-        shape = controller.before_decode(bs)
-        clock.now += seconds(shape, bs)
-        controller.after_decode()
-        if pending:
-            controller.on_verify_complete(pending.pop())
-        whole, frac = divmod(ACCEPT_7B[shape] - 1, 1)
-        pending.append([int(whole) + (j % 100 < frac * 100) for j in range(bs)])
-        return shape
+    policy_choice = overlapped_policy(tmp_path, seconds)
 
     def rate(choose):
         shapes = [(choose(bs), bs) for bs in trace]
@@ -675,18 +684,7 @@ def test_one_off_first_steps_of_a_growing_batch_do_not_keep_a_shape_out(tmp_path
         first_seen.add((shape, graph))
         return seconds(shape, bs) + one_off
 
-    controller, _, clock, _ = make_controller(tmp_path)
-    pending = []
-
-    def policy_choice(bs):
-        shape = controller.before_decode(bs)
-        clock.now += measured(shape, bs)
-        controller.after_decode()
-        if pending:
-            controller.on_verify_complete(pending.pop())
-        whole, frac = divmod(ACCEPT_7B[shape] - 1, 1)
-        pending.append([int(whole) + (j % 100 < frac * 100) for j in range(bs)])
-        return shape
+    policy_choice = overlapped_policy(tmp_path, measured)
 
     for bs in [*range(21, 65), *([64] * 40), *range(64, 0, -1)]:
         policy_choice(bs)

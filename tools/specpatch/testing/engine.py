@@ -438,6 +438,36 @@ def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def spec_v2_identical_by_batch_size(
+    target: Path,
+    draft: Path,
+    spec,
+    batch_sizes: tuple[int, ...],
+    seed: int,
+    max_new_tokens: int = 48,
+) -> dict[int, float]:
+    """Start spec v2 on triton with CUDA graphs at `batch_sizes` (the caller sets any env
+    switch first: the engine's processes read it at start-up), check each batch's greedy
+    tokens against the target's table, and return the accept length by batch size."""
+    from specpatch.testing import synth
+
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    prompts = random_prompts(max(batch_sizes), vocab, seed=seed)
+    expected = synth.table_continuations(target, prompts, max_new_tokens)
+    kwargs = engine_kwargs(
+        target, draft, spec, cuda_graph=True, cuda_graph_bs=list(batch_sizes)
+    )
+    accept = {}
+    with engine(**kwargs) as e:
+        assert e.server_args.attention_backend == "triton"
+        assert e.server_args.disable_overlap_schedule is False
+        for bs in batch_sizes:
+            run = generate(e, prompts[:bs], max_new_tokens)
+            assert_identical(run, expected[:bs], f"bs {bs}")
+            accept[bs] = round(run.accept_length, 3)
+    return accept
+
+
 def assert_identical(run, expected: list[list[int]], label: str) -> None:
     """Every request of `run` produced exactly `expected`; the message names each diverging
     request and the first token where it diverges."""

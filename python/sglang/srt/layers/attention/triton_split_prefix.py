@@ -127,6 +127,20 @@ def plan_split_prefix(
 
 
 @triton.jit
+def _online_softmax_step(m_i, l_i, acc, qk, v, v_scale):
+    """Fold one block of scores qk: [rows, cols] (masked entries -inf) and its values
+    v: [cols, dim] into the running max m_i, denominator l_i and output acc. A row that has
+    seen only masked scores keeps m_i = -inf and adds nothing."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v) * v_scale
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _partial_kernel(
     Q,
     K_Extend,
@@ -217,13 +231,7 @@ def _partial_kernel(
                 mask=col_ok[:, None],
                 other=0.0,
             )
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v) * v_scale
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v, v_scale)
     else:
         mask_start = tl.load(mask_indptr + b)
         for start in range(0, q_len, BLOCK_N):
@@ -261,13 +269,7 @@ def _partial_kernel(
                 mask=col_ok[:, None],
                 other=0.0,
             )
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v, 1.0)
 
     seen_any = l_i > 0
     l_safe = tl.where(seen_any, l_i, 1.0)
