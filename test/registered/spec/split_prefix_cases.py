@@ -73,7 +73,8 @@ def make_inputs(case: Case, device: str, dtype: torch.dtype, seed: int = 0) -> d
         mask_indptr[1:] = torch.tensor(sizes).cumsum(0)
     kv_indptr = torch.zeros(len(case.prefix_lens) + 1, dtype=torch.int32)
     kv_indptr[1:] = torch.tensor(case.prefix_lens).cumsum(0)
-    qo_indptr = torch.zeros(len(case.extend_lens) + 1, dtype=torch.int32)
+    # int64 as the triton backend's CUDA-graph buffers hold it; kv_indptr is int32 there.
+    qo_indptr = torch.zeros(len(case.extend_lens) + 1, dtype=torch.int64)
     qo_indptr[1:] = torch.tensor(case.extend_lens).cumsum(0)
     return dict(
         q_extend=randn(tokens, case.heads, case.dim),

@@ -141,6 +141,132 @@ def _online_softmax_step(m_i, l_i, acc, qk, v, v_scale):
 
 
 @triton.jit
+def _attend_prefix_share(
+    q,
+    m_i,
+    l_i,
+    acc,
+    row_ok,
+    kv_head,
+    split,
+    p_start,
+    p_len,
+    kv_indices,
+    K_Buffer,
+    V_Buffer,
+    stride_kbt,
+    stride_kbh,
+    stride_vbt,
+    stride_vbh,
+    sm_scale,
+    k_scale,
+    v_scale,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Fold split `split`'s share of the prefix (whole BLOCK_N steps except at its end; every
+    row sees all of it) into the running softmax state."""
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(p_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, p_len)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        col_ok = cols < hi
+        slot = tl.load(kv_indices + p_start + cols, mask=col_ok, other=0)
+        k = tl.load(
+            K_Buffer
+            + slot[None, :] * stride_kbt
+            + kv_head * stride_kbh
+            + offs_d[:, None],
+            mask=col_ok[None, :],
+            other=0.0,
+        )
+        qk = tl.dot(q.to(k.dtype), k) * (sm_scale * k_scale)
+        qk = tl.where(row_ok[:, None] & col_ok[None, :], qk, float("-inf"))
+        v = tl.load(
+            V_Buffer + slot[:, None] * stride_vbt + kv_head * stride_vbh + offs_d,
+            mask=col_ok[:, None],
+            other=0.0,
+        )
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v, v_scale)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_extend_block(
+    q,
+    m_i,
+    l_i,
+    acc,
+    row,
+    row_ok,
+    kv_head,
+    b,
+    q_start,
+    q_len,
+    p_len,
+    K_Extend,
+    V_Extend,
+    stride_ket,
+    stride_keh,
+    stride_vet,
+    stride_veh,
+    custom_mask,
+    mask_indptr,
+    sm_scale,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    USE_CUSTOM_MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+):
+    """Fold the request's own extend rows, under the tree's custom mask (its part after the
+    prefix) or causally, into the running softmax state."""
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_start = tl.load(mask_indptr + b)
+    for start in range(0, q_len, BLOCK_N):
+        cols = start + offs_n
+        col_ok = cols < q_len
+        k = tl.load(
+            K_Extend
+            + (q_start + cols)[None, :] * stride_ket
+            + kv_head * stride_keh
+            + offs_d[:, None],
+            mask=col_ok[None, :],
+            other=0.0,
+        )
+        qk = tl.dot(q, k) * sm_scale
+        visible = row_ok[:, None] & col_ok[None, :]
+        if USE_CUSTOM_MASK:
+            seen = tl.load(
+                custom_mask
+                + mask_start
+                + row[:, None] * (p_len + q_len)
+                + p_len
+                + cols[None, :],
+                mask=visible,
+                other=0,
+            )
+            visible = visible & (seen != 0)
+        elif IS_CAUSAL:
+            visible = visible & (cols[None, :] <= row[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        v = tl.load(
+            V_Extend
+            + (q_start + cols)[:, None] * stride_vet
+            + kv_head * stride_veh
+            + offs_d,
+            mask=col_ok[:, None],
+            other=0.0,
+        )
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v, 1.0)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _partial_kernel(
     Q,
     K_Extend,
@@ -197,7 +323,6 @@ def _partial_kernel(
     row = offs_t % Q_ROWS
     row_ok = (offs_t // Q_ROWS < GROUP) & (row < q_len)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(
         Q + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d,
         mask=row_ok[:, None],
@@ -207,69 +332,61 @@ def _partial_kernel(
     m_i = tl.full([TILE_ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([TILE_ROWS], tl.float32)
     acc = tl.zeros([TILE_ROWS, D], tl.float32)
+    # Two helpers, not two inline branches: triton merges the variables that both branches
+    # of an `if` assign, and their types differ (int64 query offsets against int32 prefix
+    # offsets; an fp8 KV cache against the extend's dtype).
     if split < NUM_SPLITS:
-        # This split's share of the prefix, whole BLOCK_N steps except at its end.
-        chunk = tl.cdiv(tl.cdiv(p_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, p_len)
-        for start in range(lo, hi, BLOCK_N):
-            cols = start + offs_n
-            col_ok = cols < hi
-            slot = tl.load(kv_indices + p_start + cols, mask=col_ok, other=0)
-            k = tl.load(
-                K_Buffer
-                + slot[None, :] * stride_kbt
-                + kv_head * stride_kbh
-                + offs_d[:, None],
-                mask=col_ok[None, :],
-                other=0.0,
-            )
-            qk = tl.dot(q.to(k.dtype), k) * (sm_scale * k_scale)
-            qk = tl.where(row_ok[:, None] & col_ok[None, :], qk, float("-inf"))
-            v = tl.load(
-                V_Buffer + slot[:, None] * stride_vbt + kv_head * stride_vbh + offs_d,
-                mask=col_ok[:, None],
-                other=0.0,
-            )
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v, v_scale)
+        m_i, l_i, acc = _attend_prefix_share(
+            q,
+            m_i,
+            l_i,
+            acc,
+            row_ok,
+            kv_head,
+            split,
+            p_start,
+            p_len,
+            kv_indices,
+            K_Buffer,
+            V_Buffer,
+            stride_kbt,
+            stride_kbh,
+            stride_vbt,
+            stride_vbh,
+            sm_scale,
+            k_scale,
+            v_scale,
+            NUM_SPLITS,
+            BLOCK_N,
+            D,
+        )
     else:
-        mask_start = tl.load(mask_indptr + b)
-        for start in range(0, q_len, BLOCK_N):
-            cols = start + offs_n
-            col_ok = cols < q_len
-            k = tl.load(
-                K_Extend
-                + (q_start + cols)[None, :] * stride_ket
-                + kv_head * stride_keh
-                + offs_d[:, None],
-                mask=col_ok[None, :],
-                other=0.0,
-            )
-            qk = tl.dot(q, k) * sm_scale
-            visible = row_ok[:, None] & col_ok[None, :]
-            if USE_CUSTOM_MASK:
-                seen = tl.load(
-                    custom_mask
-                    + mask_start
-                    + row[:, None] * (p_len + q_len)
-                    + p_len
-                    + cols[None, :],
-                    mask=visible,
-                    other=0,
-                )
-                visible = visible & (seen != 0)
-            elif IS_CAUSAL:
-                visible = visible & (cols[None, :] <= row[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            v = tl.load(
-                V_Extend
-                + (q_start + cols)[:, None] * stride_vet
-                + kv_head * stride_veh
-                + offs_d,
-                mask=col_ok[:, None],
-                other=0.0,
-            )
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v, 1.0)
+        m_i, l_i, acc = _attend_extend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            row,
+            row_ok,
+            kv_head,
+            b,
+            q_start,
+            q_len,
+            p_len,
+            K_Extend,
+            V_Extend,
+            stride_ket,
+            stride_keh,
+            stride_vet,
+            stride_veh,
+            custom_mask,
+            mask_indptr,
+            sm_scale,
+            BLOCK_N,
+            D,
+            USE_CUSTOM_MASK,
+            IS_CAUSAL,
+        )
 
     seen_any = l_i > 0
     l_safe = tl.where(seen_any, l_i, 1.0)
