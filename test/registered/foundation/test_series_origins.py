@@ -1,7 +1,7 @@
 """specpatch.origins: which patch added each line, and which patches rewrite an earlier patch's.
 
-The series' own result is a ratchet: the rewrites it has today are listed below, and issue #26's
-re-cut folds each into the patch it fixes; any new one fails here.
+The series rewrites none of its own lines: a fix-up belongs folded into the patch it fixes, so
+any rewrite fails here.
 """
 
 from __future__ import annotations
@@ -16,17 +16,6 @@ from specpatch.series import Patch, SeriesError, read_series
 
 REPO = Path(__file__).resolve().parents[3]
 CACHE = REPO / ".cache" / "upstream"
-
-# (patch, the earlier patch whose lines it rewrites) left for the re-cut. Each needs the tree
-# itself to change, so it waits for a GPU run (README.md, "Rewrites left"): the canary
-# brackets re-indent the draft step and draft-extend lines that 0001 and 0009 add.
-KNOWN_REWRITES = {
-    ("0006-kv-canary-wiring.patch", "0001-spec-topk1-chain-draft-fast-path.patch"),
-    (
-        "0009-spec-v2-draft-extend-selects-next-input-in-graph.patch",
-        "0006-kv-canary-wiring.patch",
-    ),
-}
 
 UPSTREAM_FILE = "a\nb\nc\nd\ne\nf\ng\n"
 
@@ -77,21 +66,16 @@ def test_a_hunk_that_does_not_match_the_tree_is_an_error(tmp_path):
         rewrites_of(bad)
 
 
-def test_the_series_rewrites_only_what_the_recut_will_fold():
+def test_no_patch_rewrites_an_earlier_patchs_lines():
     wheel = upstream.fetch_wheel("cp311", CACHE).path
     with zipfile.ZipFile(wheel) as zf:
         found = origins.find_rewrites(
             read_series(REPO / "patches"),
             lambda path: zf.read(path.removeprefix("python/")).decode(),
         )
-    new = {(r.patch, r.origin) for r in found} - KNOWN_REWRITES
-    assert not new, [
-        f"{r.patch} rewrites {r.origin}'s line in {r.file}: {r.line!r}"
-        for r in found
-        if (r.patch, r.origin) in new
+    assert not found, [
+        f"{r.patch} rewrites {r.origin}'s line in {r.file}: {r.line!r}" for r in found
     ]
-    # A fold that happened must leave the list, so the ratchet only tightens.
-    assert {(r.patch, r.origin) for r in found} == KNOWN_REWRITES
 
 
 def test_a_pure_insertion_goes_after_the_line_its_hunk_names(tmp_path):

@@ -302,11 +302,13 @@ class SimEngine:
         req.kv_len = fill_len
 
     def forward(self, manager, batch: Batch, *, draft_extend: bool = False) -> None:
-        if draft_extend:
+        if draft_extend and batch.forward_mode is not Mode.DRAFT_EXTEND_V2:
+            # The prefill's draft extend: the worker brackets it.
             with api.draft_extend_brackets(manager, batch):
                 api.pre_ops(manager, batch)
         else:
-            with api.outside_graph(manager, batch):
+            # ModelRunner.forward's own bracket: a target forward, a draft extend v2.
+            with api.runner_bracket(manager, batch):
                 api.pre_ops(manager, batch)
 
     def run_draft_steps(self, staged: Batch, step_batches: list[Batch]) -> None:
@@ -316,8 +318,19 @@ class SimEngine:
             self.draft, staged, indices=range(max(len(step_batches), 1))
         ):
             for i, step in enumerate(step_batches):
-                with api.active_step(self.draft, i):
-                    api.pre_ops(self.draft, step)
+                self._draft_step(step, None, i)
+
+    @api.in_draft_step
+    def _draft_step(self, step: Batch, out_cache_loc, i: int) -> None:
+        """EagleDraftWorker._draft_step: its forward (and the runner's bracket, a no-op
+        inside the worker's) with single forward i active."""
+        with api.runner_bracket(self.draft, step):
+            api.pre_ops(self.draft, step)
+
+    @property
+    def draft_runner(self):
+        """What api.in_draft_step reads the canary from, as on the worker."""
+        return SimpleNamespace(kv_canary=self.draft)
 
     def decode(self, reqs: list[Req]) -> None:
         """One plain decode step: the last sampled token goes into KV, a new one is sampled."""

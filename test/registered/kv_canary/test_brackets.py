@@ -3,6 +3,8 @@ capture), and pre-ops dispatch to the single forward of the active draft step.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from canary_sim import Batch, SimEngine, draft_step_batch
@@ -174,3 +176,23 @@ def test_draft_extend_brackets_stage_single_forward_zero(engine):
     assert (
         not engine.draft.single_forwards[0].is_staged and engine.draft._active is None
     )
+
+
+def test_a_decorated_draft_step_runs_with_its_single_forward_active(engine):
+    seen = []
+
+    class Worker:
+        draft_runner = SimpleNamespace(kv_canary=engine.draft)
+
+        @api.in_draft_step
+        def _draft_step(self, forward_batch, out_cache_loc, i, input_ids, hidden=None):
+            seen.append((engine.draft._active, forward_batch, input_ids, hidden))
+            return i * 10
+
+    worker = Worker()
+    assert worker._draft_step("fb", "loc", 1, "ids", hidden="h") == 10
+    assert seen == [(1, "fb", "ids", "h")] and engine.draft._active is None
+    with pytest.raises(CanaryBracketError):  # the step index is checked
+        worker._draft_step("fb", "loc", len(engine.draft.single_forwards), "ids")
+    Worker.draft_runner = SimpleNamespace(kv_canary=None)  # canary off: a plain call
+    assert worker._draft_step("fb", "loc", 2, "ids") == 20

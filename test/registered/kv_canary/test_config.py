@@ -220,23 +220,35 @@ def test_multi_layer_draft_runners_get_their_layer_offset():
     ]
 
 
-def test_runner_bracket_is_for_target_runners_only():
+def test_runner_bracket_covers_targets_and_draft_extends_the_worker_left_open():
     from canary_sim import Batch, Mode, SimEngine
 
     engine = SimEngine(seed=0)
     req = engine.admit(5)
-    batch = Batch(
-        Mode.DECODE,
-        1,
-        torch.tensor([req.row]),
-        torch.tensor([5]),
-        torch.tensor([1]),
-        torch.tensor([0]),
-        engine.target_pool,
-    )
-    with api.runner_bracket(
-        engine.draft, batch
-    ):  # a no-op: the spec worker brackets drafts
-        assert not engine.draft.single_forwards[0].is_staged
-    with api.runner_bracket(engine.target, batch):
+
+    def batch(mode):
+        return Batch(
+            mode,
+            1,
+            torch.tensor([req.row]),
+            torch.tensor([5]),
+            torch.tensor([1]),
+            torch.tensor([0]),
+            engine.target_pool,
+        )
+
+    draft = engine.draft
+    with api.runner_bracket(engine.target, batch(Mode.DECODE)):
         assert engine.target.single_forwards[0].is_staged
+    # A draft step: the worker brackets it (it knows the step).
+    with api.runner_bracket(draft, batch(Mode.DECODE)):
+        assert not draft.single_forwards[0].is_staged and not draft.in_bracket
+    # A spec v2 draft extend, or a DP rank's idle one: single forward 0, both brackets.
+    for mode in (Mode.DRAFT_EXTEND_V2, Mode.IDLE):
+        with api.runner_bracket(draft, batch(mode)):
+            assert draft.single_forwards[0].is_staged and draft._active == 0
+        assert not draft.in_bracket
+    # Inside a bracket the worker opened (the prefill's draft extend): nothing more.
+    with api.draft_extend_brackets(draft, batch(Mode.EXTEND)):
+        with api.runner_bracket(draft, batch(Mode.DRAFT_EXTEND_V2)):
+            assert draft._outside == [0]

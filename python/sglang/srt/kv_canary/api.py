@@ -12,10 +12,11 @@ costs one attribute read and one call when off: no buffers, no kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import weakref
-from typing import ContextManager, Iterable, Iterator, Mapping, Optional
+from typing import Callable, ContextManager, Iterable, Iterator, Mapping, Optional
 
 import torch
 
@@ -180,11 +181,29 @@ def outside_graph(
 
 
 def runner_bracket(manager: Optional[CanaryManager], forward_batch) -> ContextManager:
-    """ModelRunner.forward's own bracket: target runners only. A draft runner's forwards are
-    bracketed by the speculative worker, which knows the draft step."""
-    if manager is None or manager.is_draft:
+    """ModelRunner.forward's own bracket: every forward of a target runner; of a draft runner,
+    its spec v2 draft extend (draft_extend_bracket). The draft steps are bracketed by the
+    speculative worker, which knows the step."""
+    if manager is None:
         return contextlib.nullcontext()
-    return manager.with_ops_outside_graph((0,), forward_batch)
+    if not manager.is_draft:
+        return manager.with_ops_outside_graph((0,), forward_batch)
+    return draft_extend_bracket(manager, forward_batch)
+
+
+def draft_extend_bracket(
+    manager: Optional[CanaryManager], forward_batch
+) -> ContextManager:
+    """Both brackets (one forward, single forward 0) around a draft runner's spec v2 draft
+    extend (or a DP rank's idle one), eager (ModelRunner.forward) or replayed (the
+    draft-extend graph runner). They sit with the forward, not in the worker's draft-extend
+    code, whose lines later patches edit. Nothing when off, for another forward, or inside a
+    bracket the worker opened (its draft steps, its prefill's draft extend)."""
+    if manager is None or not manager.is_draft or manager.in_bracket:
+        return contextlib.nullcontext()
+    if forward_batch.forward_mode.name not in ("DRAFT_EXTEND_V2", "IDLE"):
+        return contextlib.nullcontext()
+    return _both_brackets(manager, forward_batch)
 
 
 def active_step(manager: Optional[CanaryManager], index: int) -> ContextManager:
@@ -192,6 +211,19 @@ def active_step(manager: Optional[CanaryManager], index: int) -> ContextManager:
     if manager is None:
         return contextlib.nullcontext()
     return manager.with_active_single_forward_manager(index)
+
+
+def in_draft_step(draft_step: Callable) -> Callable:
+    """Decorates an EAGLE worker's draft step, (worker, forward_batch, out_cache_loc, i, ...):
+    it runs with single forward i active, so its forward's pre-ops check inner draft step i.
+    A decorator rather than a `with` inside keeps the method's lines as they are."""
+
+    @functools.wraps(draft_step)
+    def run(worker, forward_batch, out_cache_loc, i, *args, **kwargs):
+        with active_step(worker.draft_runner.kv_canary, i):
+            return draft_step(worker, forward_batch, out_cache_loc, i, *args, **kwargs)
+
+    return run
 
 
 def draft_extend_brackets(

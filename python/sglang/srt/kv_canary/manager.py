@@ -103,6 +103,11 @@ class CanaryManager:
 
     # ---------------------------------------------------------------- brackets
 
+    @property
+    def in_bracket(self) -> bool:
+        """Whether a bracket is open: a forward inside it is already covered."""
+        return self._outside is not None or self._active is not None
+
     @contextlib.contextmanager
     def with_active_single_forward_manager(
         self, index: int
