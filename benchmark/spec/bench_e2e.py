@@ -80,6 +80,16 @@ POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
 POLICY_CONFIG: list[Optional[str]] = [None]
 # The policy's "trace" file (--policy-trace), or None.
 POLICY_TRACE: list[Optional[str]] = [None]
+# Prompt lengths, drawn uniformly per request (--prompt-len): the verify's prefix is a prompt
+# plus what the request has generated so far.
+PROMPT_LEN = [8, 64]
+
+
+def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    low, high = PROMPT_LEN
+    return eng.random_prompts(n, vocab, min_len=low, max_len=high, seed=seed)
+
+
 # The "bs" of a mixed-load row.
 MIXED = "mixed"
 
@@ -248,7 +258,7 @@ def warm_jit_caches(
     with eng.engine(**kwargs) as e:
         captured = e.server_args.cuda_graph_bs or []
         for bs in sorted(sizes | {b for b in captured if b <= largest}):
-            eng.generate(e, eng.random_prompts(bs, vocab, seed=bs), 16)
+            eng.generate(e, prompts(bs, vocab, seed=bs), 16)
 
 
 def measure(
@@ -268,11 +278,11 @@ def measure(
     kwargs = engine_settings(target, draft, name, batch_sizes, attention_backend, mixed)
     with scoped_env(env), eng.engine(**kwargs) as e:
         if mixed is not None:
-            prompts = eng.random_prompts(mixed.requests, vocab, seed=99)
-            eng.ramp_generate(e, prompts, max_new_tokens, mixed.ramp_seconds)  # warm-up
+            ramp = prompts(mixed.requests, vocab, seed=99)
+            eng.ramp_generate(e, ramp, max_new_tokens, mixed.ramp_seconds)  # warm-up
             run = max(
                 (
-                    eng.ramp_generate(e, prompts, max_new_tokens, mixed.ramp_seconds)
+                    eng.ramp_generate(e, ramp, max_new_tokens, mixed.ramp_seconds)
                     for _ in range(repeats)
                 ),
                 key=lambda r: r.tok_per_s,
@@ -287,9 +297,7 @@ def measure(
             )
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
-            best = eng.best_of(
-                e, eng.random_prompts(bs, vocab, seed=bs), max_new_tokens, repeats
-            )
+            best = eng.best_of(e, prompts(bs, vocab, seed=bs), max_new_tokens, repeats)
             rows.append(
                 {
                     "config": name,
@@ -310,6 +318,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--models", help="directory for the pair (default: a temp dir)")
     parser.add_argument("--out")
+    parser.add_argument(
+        "--prompt-len",
+        default="8,64",
+        help="MIN,MAX prompt tokens per request (uniform); e.g. 1024,4096 for long contexts",
+    )
     parser.add_argument("--png")
     parser.add_argument(
         "--tree",
@@ -382,6 +395,11 @@ def main() -> None:
     if args.policy_config:
         set_policy_config(args.policy_config)
     POLICY_TRACE[0] = args.policy_trace
+    PROMPT_LEN[:] = [int(n) for n in args.prompt_len.split(",")]
+    if not 1 <= PROMPT_LEN[0] <= PROMPT_LEN[1]:
+        parser.error(
+            f"--prompt-len {args.prompt_len}: want MIN,MAX with 1 <= MIN <= MAX"
+        )
 
     target, draft = ensure_pair(args.models, args.preset, args.agreement)
     vocab = synth.load_meta(target)["spec"]["vocab"]

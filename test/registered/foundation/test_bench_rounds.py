@@ -240,3 +240,12 @@ def test_policy_ratios_compare_with_no_speculation_and_the_best_fixed_shape():
     assert ratios[1] == (pytest.approx(1.71), pytest.approx(0.95), "tree")
     assert ratios["mixed"] == (pytest.approx(1.21), pytest.approx(1.1), "chain")
     assert ratios[64] == (None, None, None)
+
+
+def test_prompts_take_their_lengths_from_prompt_len(monkeypatch):
+    monkeypatch.setattr(bench_e2e, "PROMPT_LEN", [1000, 1010])
+    long = bench_e2e.prompts(4, 32000, seed=4)
+    assert len(long) == 4 and all(1000 <= len(p) <= 1010 for p in long)
+    assert all(0 <= t < 32000 for p in long for t in p)
+    monkeypatch.setattr(bench_e2e, "PROMPT_LEN", [8, 64])
+    assert all(8 <= len(p) <= 64 for p in bench_e2e.prompts(16, 100, seed=1))

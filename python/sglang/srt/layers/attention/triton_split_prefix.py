@@ -18,8 +18,9 @@ Only the summation order differs from upstream's kernel. The split count is a fu
 batch size and head count (host ints), so a CUDA graph captures a fixed grid; how long each
 request's prefix is stays on the device.
 
-Off unless SGLANG_TRITON_SPLIT_PREFIX_EXTEND=1 until a GPU run has measured it against
-upstream's kernel and checked a server's token identity (benchmark/spec/bench_verify_attention.py).
+Off unless SGLANG_TRITON_SPLIT_PREFIX_EXTEND=1: a server's tokens stay identical and one layer's
+attention is much faster (benchmark/spec/bench_verify_attention.py), but the gain is per prefix
+token, and it waits for an end-to-end run at the long contexts it is for (docs/benchmarks.md).
 """
 
 from __future__ import annotations
