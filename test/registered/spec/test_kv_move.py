@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPoolFP4,
     NSATokenToKVPool,
 )
+from specpatch.testing.sm90_compile import launches_compile_for_sm90
 
 NATIVE_ENV = "SGLANG_NATIVE_MOVE_KV_CACHE"
 NSA_PAGE = 64  # NSATokenToKVPool asserts page_size == 64 off ROCm
@@ -263,6 +264,16 @@ def test_check_move_in_range_names_the_bad_side_on_cpu(side):
     with pytest.raises(IndexError, match=f"MyPool.move_kv_cache {side}_loc: slot 10"):
         kv_move.check_move_in_range(tgt, src, 10, "MyPool.move_kv_cache")
     kv_move.check_move_in_range(good, good, 10, "MyPool.move_kv_cache")
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_the_slot_check_kernel_compiles_for_sm90(slot_dtype):
+    """What CUDA moves launch (the CPU path above checks in torch), through triton's
+    compiler, which the interpreter does not run; debug=True keeps its device assert."""
+    tgt, src = torch.tensor([3, 9], dtype=slot_dtype), torch.tensor([0, 8])
+    with launches_compile_for_sm90() as compiled:
+        kv_move._launch_slot_check(tgt, src.to(slot_dtype), tgt.numel(), 10)
+    assert compiled == ["_assert_slots_in_range_kernel"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

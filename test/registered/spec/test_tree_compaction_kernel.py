@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import tree_compaction_cases
 
+from sglang.srt.speculative.tree_compaction import compact_path_rows_triton
 from specpatch.testing.interpret import interpreter_suite
+from specpatch.testing.sm90_compile import launches_compile_for_sm90
 
 HERE = Path(__file__).resolve().parent
 NAMES = [
@@ -29,3 +31,25 @@ interpreter_run, test_under_interpreter = interpreter_suite(
 )
 def test_kernel_matches_reference_on_cuda(case):
     tree_compaction_cases.check(case, "cuda")
+
+
+@pytest.mark.parametrize(
+    "case",
+    tree_compaction_cases.CASES,
+    ids=[c.name for c in tree_compaction_cases.CASES],
+)
+def test_kernel_compiles_for_sm90(case):
+    """Triton's compiler, which the interpreter does not run, takes each case's types."""
+    (accept_index, out_cache_loc, predict, hidden), caches = (
+        tree_compaction_cases._inputs(case, "cpu")
+    )
+    with launches_compile_for_sm90() as compiled:
+        compact_path_rows_triton(
+            accept_index,
+            case.num_draft_tokens,
+            out_cache_loc,
+            predict,
+            hidden,
+            tree_compaction_cases._capture_views(case, caches),
+        )
+    assert compiled == ["_compact_accepted_path_kernel"]

@@ -15,7 +15,7 @@ from sglang.srt.layers.attention.triton_short_extend import MIN_PROGRAMS
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
 from specpatch.testing.interpret import interpreter_suite
-from specpatch.testing.sm90_compile import compile_for_sm90
+from specpatch.testing.sm90_compile import launches_compile_for_sm90
 
 HERE = Path(__file__).resolve().parent
 NAMES = [f"test_kernel_matches_reference[{c.name}]" for c in split_prefix_cases.CASES]
@@ -90,62 +90,38 @@ def test_only_plain_attention_over_a_visible_prefix_is_split(enabled):
     assert sp.plan_split_prefix(4, 1, 32, 8, 128, 128, plain=False) is None
 
 
-# What the triton backend passes: int64 query and mask offsets (its CUDA-graph buffers), int32
-# prefix offsets, int64 KV slots, a bool custom mask; the KV cache bf16 or fp8.
-SERVER_POINTERS = {
-    "Q": "*bf16",
-    "K_Extend": "*bf16",
-    "V_Extend": "*bf16",
-    "qo_indptr": "*i64",
-    "kv_indptr": "*i32",
-    "kv_indices": "*i64",
-    "custom_mask": "*i1",
-    "mask_indptr": "*i64",
-    "Partial_O": "*fp32",
-    "Partial_LSE": "*fp32",
-    "sm_scale": "fp32",
-    "k_scale": "fp32",
-    "v_scale": "fp32",
-}
-
-
-@pytest.mark.parametrize("kv_cache", ["bf16", "fp8e4nv"])
-@pytest.mark.parametrize("mask", ["tree", "causal"])
-@pytest.mark.parametrize(
-    "plan", [sp.SplitPlan(4, 4, 16, 16), sp.SplitPlan(4, 32, 128, 4)], ids=["k1", "k16"]
+# The server's KV cache in bf16 for every case; in fp8 where the head dim allows it (triton's
+# fp8 dot needs 32 or more, upstream's extend kernel has the same limit), and at the
+# Llama-3-8B shape.
+LLAMA_VERIFY = split_prefix_cases.Case(
+    "llama8b_tree4", (256,), (4,), 32, 8, 128, "tree"
 )
-def test_the_partial_kernel_compiles_for_sm90_with_the_servers_types(
-    kv_cache, mask, plan
-):
+COMPILE_CASES = [(c, torch.bfloat16) for c in split_prefix_cases.CASES] + [
+    (c, torch.float8_e4m3fn)
+    for c in [*split_prefix_cases.CASES, LLAMA_VERIFY]
+    if c.dim >= 32
+]
+
+
+@pytest.mark.parametrize(
+    "case,kv_cache",
+    COMPILE_CASES,
+    ids=[f"{c.name}-{str(t).removeprefix('torch.')}" for c, t in COMPILE_CASES],
+)
+def test_the_kernels_compile_for_sm90_with_the_servers_types(case, kv_cache):
     """The interpreter runs the kernels' arithmetic, not triton's compiler, which refused a
-    first version on the GPU host (int64 and int32 offsets merged across an `if`)."""
-    compile_for_sm90(
-        sp._partial_kernel,
-        {**SERVER_POINTERS, "K_Buffer": f"*{kv_cache}", "V_Buffer": f"*{kv_cache}"},
-        dict(
-            GROUP=plan.group,
-            Q_ROWS=plan.q_rows,
-            TILE_ROWS=plan.tile_rows,
-            NUM_SPLITS=plan.num_splits,
-            BLOCK_N=sp.BLOCK_N,
-            D=128,
-            USE_CUSTOM_MASK=mask == "tree",
-            IS_CAUSAL=mask == "causal",
-        ),
-    )
-
-
-def test_the_merge_kernel_compiles_for_sm90_with_the_servers_types():
-    compile_for_sm90(
-        sp._merge_kernel,
-        {
-            "O": "*bf16",
-            "qo_indptr": "*i64",
-            "Partial_O": "*fp32",
-            "Partial_LSE": "*fp32",
-        },
-        dict(PARTS=17, PARTS_POW2=32, D=128),
-    )
+    first version on the GPU host (int64 query and int32 prefix offsets merged across an
+    `if`). The cases carry the triton backend's index dtypes; the KV cache is bf16 or fp8.
+    """
+    x = split_prefix_cases.make_inputs(case, "cpu", torch.bfloat16)
+    x["k_buffer"], x["v_buffer"] = (x[k].to(kv_cache) for k in ("k_buffer", "v_buffer"))
+    with launches_compile_for_sm90() as compiled:
+        sp.split_prefix_extend_attention(
+            split_prefix_cases.plan_for(case),
+            o_extend=torch.empty_like(x["q_extend"]),
+            **x,
+        )
+    assert compiled == ["_partial_kernel", "_merge_kernel"]
 
 
 @pytest.mark.gpu
