@@ -59,6 +59,9 @@ def test_config_reads_shapes_and_knobs():
     )
     assert cfg.shapes == (WIDE, NONE)
     assert (cfg.margin, cfg.patience, cfg.probe_interval) == (0.1, 3, 512)
+    assert cfg.decisive_margin == 0.25
+    cfg = PolicyConfig.from_dict({"shapes": ["16,3,32", "none"], "decisive_margin": 1})
+    assert cfg.decisive_margin == 1.0 and isinstance(cfg.decisive_margin, float)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +76,10 @@ def test_config_reads_shapes_and_knobs():
         ({"shapes": ["16,3,32", "x"]}, "'x' is not TOPK"),
         ({"shapes": ["16,3,32", "none"], "margin": -0.1}, '"margin" out of range'),
         ({"shapes": ["16,3,32", "none"], "patience": 0}, '"patience" out of range'),
+        (
+            {"shapes": ["16,3,32", "none"], "margin": 0.3},
+            '"decisive_margin" (0.25) is below "margin" (0.3)',
+        ),
         (
             {"shapes": ["16,3,32", "none"], "patience": 2.5},
             '"patience" must be an integer',
@@ -226,13 +233,24 @@ def test_each_batch_size_gets_its_best_shape_after_patience():
     """Tokens per second: bs 1 the wide tree (3.3 / 4.0 ms = 825 against 806, 706, 625);
     bs 16 the chain (2.4 / 3.9 ms = 615 against 412, 580, 526); bs 48 no speculation
     (1 / 2.2 ms = 455 against 165, 322, 369)."""
-    policy = make_policy(patience=3)
+    policy = make_policy(patience=3, decisive_margin=1.0)
     assert set(run(policy, 1, 10)) == {WIDE}
     assert run(policy, 16, 4) == [WIDE, WIDE, CHAIN, CHAIN]
     assert run(policy, 48, 4) == [CHAIN, CHAIN, NONE, NONE]
     assert run(policy, 1, 4) == [NONE, NONE, WIDE, WIDE]
     assert policy.counters.switches == 3
     assert policy.counters.steps == {"16,3,32": 14, "1,3,4": 4, "none": 4}
+
+
+def test_a_decisive_challenger_switches_at_once():
+    """A batch that jumps from 1 to 16 finds the chain 1.49x the wide tree: past the decisive
+    margin (25 %), so it runs at once, not after patience. At bs 48 no speculation is 1.23x
+    the chain: a near tie, which waits for patience."""
+    policy = make_policy(patience=8)
+    assert run(policy, 1, 3) == [WIDE] * 3
+    assert run(policy, 16, 2) == [CHAIN, CHAIN]
+    assert run(policy, 48, 9) == [CHAIN] * 7 + [NONE] * 2
+    assert policy.counters.switches == 2
 
 
 def test_a_challenger_within_the_margin_never_takes_over():
@@ -244,8 +262,9 @@ def test_a_challenger_within_the_margin_never_takes_over():
 
 
 def test_a_flapping_batch_size_does_not_switch():
-    # bs 16 favours the chain, bs 1 the wide tree: alternating, no challenger lasts 3 decisions.
-    policy = make_policy(patience=3)
+    # bs 16 favours the chain (1.49x), bs 1 the wide tree (1.32x): alternating, no challenger
+    # lasts 3 decisions, and neither wins by the decisive margin.
+    policy = make_policy(patience=3, decisive_margin=1.0)
     for _ in range(20):
         policy.choose(16)
         policy.choose(1)
@@ -257,8 +276,12 @@ def test_measured_acceptance_moves_the_choice():
     for _ in range(30):
         policy.observe_accept(WIDE, [1, 1, 2, 1])  # the draft stopped agreeing
     assert policy.accept_length[WIDE] == pytest.approx(1.25, abs=0.01)
-    # bs 1 then prefers the narrow tree (2.9 / 3.6 ms against 1.25 / 4.0 ms).
-    assert run(policy, 1, 3) == [WIDE, NARROW, NARROW]
+    # bs 1 then prefers the narrow tree (2.9 / 3.6 ms against 1.25 / 4.0 ms): 2.6x, decisive.
+    assert run(policy, 1, 3) == [NARROW, NARROW, NARROW]
+    policy = make_policy(patience=2, decisive_margin=2.0)
+    for _ in range(30):
+        policy.observe_accept(WIDE, [1, 1, 2, 1])
+    assert run(policy, 1, 3) == [WIDE, NARROW, NARROW]  # after patience
 
 
 def test_no_speculation_keeps_accept_length_one():

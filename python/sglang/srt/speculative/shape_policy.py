@@ -12,9 +12,9 @@ accept_length is an EMA per shape of the tokens a step commits per request (the 
 steps; 1 for no speculation); step_seconds a table per shape over batch sizes (measured at
 start-up, refreshed by the steps that run). Keeping the two apart lets a shape measured at one
 batch size be chosen at another. A switch needs the challenger to beat the running shape by a
-margin for `patience` decisions in a row; a shape idle for `probe_interval` steps runs for
-`probe_steps` steps when its stale score is within the margin of the best, so its acceptance
-follows the traffic.
+margin for `patience` decisions in a row, or by a decisive margin once; a shape idle for
+`probe_interval` steps runs for `probe_steps` steps when its stale score is within the margin
+of the best, so its acceptance follows the traffic.
 
 Decisions only: which runtime state (graphs, backends) a shape uses is the worker's business.
 """
@@ -70,8 +70,13 @@ class PolicyConfig:
     shapes: tuple[Shape, ...]
     # A challenger must score above (1 + margin) x the running shape ...
     margin: float = 0.05
-    # ... in this many decisions in a row.
+    # ... in this many decisions in a row ...
     patience: int = 8
+    # ... unless it scores above (1 + decisive_margin) x, which switches at once. Patience is
+    # for near ties, where a noisy estimate could flap; a batch that jumps (1 -> 64) or an
+    # engine whose first shape is far off would otherwise run a shape that costs several
+    # times the best for `patience` steps.
+    decisive_margin: float = 0.25
     # A shape idle for this many steps is probed for probe_steps steps.
     probe_interval: int = 512
     probe_steps: int = 8
@@ -103,6 +108,7 @@ class PolicyConfig:
         values = {}
         for key, low in (
             ("margin", 0.0),
+            ("decisive_margin", 0.0),
             ("ema_alpha", 0.0),
             ("patience", 1),
             ("probe_interval", 1),
@@ -117,6 +123,11 @@ class PolicyConfig:
             if value < low or (key == "ema_alpha" and not 0 < value <= 1):
                 raise ValueError(f'{CONFIG_FLAG}: "{key}" out of range: {value}')
             values[key] = kind(value)
+        if values["decisive_margin"] < values["margin"]:
+            raise ValueError(
+                f'{CONFIG_FLAG}: "decisive_margin" ({values["decisive_margin"]}) is below '
+                f'"margin" ({values["margin"]})'
+            )
         return cls(shapes=shapes, **values)
 
 
@@ -302,7 +313,8 @@ class ShapePolicy:
                 self._streak += 1
             else:
                 self._challenger, self._streak = best, 1
-            if self._streak >= self.config.patience:
+            decisive = (1 + self.config.decisive_margin) * self.score(self.current, bs)
+            if self._streak >= self.config.patience or self.score(best, bs) > decisive:
                 self._switch(best)
         else:
             self._challenger, self._streak = None, 0
