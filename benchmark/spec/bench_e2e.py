@@ -68,11 +68,22 @@ CONFIGS = {
         eng.SpecConfig(16, 3, 32),
         {"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"},
     ),
+    # ... and with the decode step's host lengths as bounds, no host wait for the verify
+    # (speculative/bounded_host_lens.py, off by default).
+    "chain-bounded-lens": (
+        eng.SpecConfig(1, 3, 4),
+        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1"},
+    ),
+    "tree-bounded-lens": (
+        eng.SpecConfig(16, 3, 32),
+        {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1"},
+    ),
 }
-# Env switches of the kernel A/B configs above.
+# Env switches of the A/B configs above: not shapes, so never the policy's "best fixed".
 KERNEL_SWITCHES = {
     "SGLANG_TRITON_SHORT_EXTEND_TILE",
     "SGLANG_TRITON_SPLIT_PREFIX_EXTEND",
+    "SGLANG_SPEC_V2_BOUNDED_HOST_LENS",
 }
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
 # A --speculative-adaptive-config for the policy config (e.g. one --write-policy-config
@@ -100,7 +111,7 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
         eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
         {},
     )
-    for name in ("tree-upstream-tile", "tree-split-prefix"):
+    for name in ("tree-upstream-tile", "tree-split-prefix", "tree-bounded-lens"):
         CONFIGS[name] = (
             eng.SpecConfig(topk, num_steps, num_draft_tokens),
             CONFIGS[name][1],
@@ -549,7 +560,7 @@ def is_fixed_shape_like(name: str, policy: str) -> bool:
     spec, env = CONFIGS[config]
     return (
         config != "policy"
-        and not KERNEL_SWITCHES & env.keys()  # an A/B of a kernel, not a shape
+        and not KERNEL_SWITCHES & env.keys()  # an A/B of a switch, not a shape
         and spec is not None
         and spec.overlap
         and (backend, page) == split_config(policy, "")[1:]

@@ -1,0 +1,141 @@
+"""Spec v2 decode without waiting on the host for the launched verify: host lengths as bounds.
+
+Under the overlap scheduler, the scheduler prepares decode step k + 1 while the GPU still runs
+step k. Upstream's `EagleDraftInputV2Mixin.prepare_for_decode` ends by waiting for step k's
+verify and copying its sequence lengths to the host (its "FIXME: make this sync optional"), so
+everything the host does after that wait, until step k + 1's kernels are launched, is time
+the GPU may sit idle: it has only step k's draft extend left to run.
+
+What the host reads from those lengths in a spec v2 decode step on the triton backend with
+CUDA graphs is sizes: `seq_lens_sum` sizes the multi-step draft backend's KV-index slices and
+eager index buffers. The graphs' metadata, the tree mask and the KV indices are computed on the
+device from the device lengths. So a bound on each request's length does as well, and the host
+knows one without waiting: a request's committed KV length (`Req.kv_committed_len`, already
+advanced for the step being prepared) plus the most tokens one step may commit. The device
+lengths stay exact; only the wait goes, replaced by a stream-side wait that keeps the
+schedule stream's later reads of them ordered after the verify.
+
+Off unless SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1, and only where nothing reads the host lengths
+as exact: triton attention (target and draft) with CUDA graphs at page size 1, no two-batch
+overlap, DP attention or pipeline stages; and per step, a batch the graphs cover, with no
+logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never takes an
+eager path that builds per-request host lists from the lengths; the eager draft extend, which
+does, reads them from the device anyway while bounds are on (exact_prefix_lens).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+ENV = "SGLANG_SPEC_V2_BOUNDED_HOST_LENS"
+
+
+def enabled_by_env(environ=os.environ) -> bool:
+    return environ.get(ENV, "0") == "1"
+
+
+_ENABLED = enabled_by_env()
+
+
+def server_refusal(server_args) -> Optional[str]:
+    """Why this server's spec v2 decode must keep upstream's exact host lengths, or None."""
+    backends = {
+        server_args.attention_backend,
+        getattr(server_args, "decode_attention_backend", None),
+        getattr(server_args, "speculative_draft_attention_backend", None),
+    } - {None}
+    if backends != {"triton"}:
+        return f"attention backends {sorted(backends)}: only triton plans from device lengths"
+    if server_args.disable_cuda_graph:
+        return "no CUDA graphs: eager metadata reads the host lengths"
+    if getattr(server_args, "disable_cuda_graph_padding", False):
+        return "no CUDA-graph padding: batches between captured sizes run eager"
+    if server_args.page_size != 1:
+        return f"page size {server_args.page_size}"
+    if getattr(server_args, "enable_two_batch_overlap", False):
+        return "two-batch overlap splits the batch by host lengths"
+    if server_args.enable_dp_attention:
+        return "DP attention"
+    if server_args.pp_size != 1:
+        return "pipeline parallelism"
+    if getattr(server_args, "speculative_adaptive", False):
+        from sglang.srt.speculative.shape_runtime import shape_policy_of
+
+        if shape_policy_of(server_args) is None:
+            # Upstream's adaptive steps change how many tokens a step may commit between
+            # the launched step and the one prepared; the shape policy reserves its largest.
+            return "--speculative-adaptive without a shape policy"
+    return None
+
+
+def graph_batch_limit(server_args) -> int:
+    """The largest batch the decode-step graphs are captured for."""
+    if server_args.cuda_graph_bs:
+        return max(server_args.cuda_graph_bs)
+    return server_args.cuda_graph_max_bs or 0
+
+
+def batch_allows_bounds(batch, server_args) -> bool:
+    """Whether this decode step's host lengths may be bounds (see the module docstring)."""
+    return (
+        _ENABLED
+        and server_refusal(server_args) is None
+        and batch.batch_size() <= graph_batch_limit(server_args)
+        and not batch.return_logprob
+        and not batch.has_grammar
+        and not batch.sampling_info.penalizer_orchestrator.is_required
+        and getattr(batch.req_to_token_pool, "mamba_pool", None) is None
+        and all(r.multimodal_inputs is None for r in batch.reqs)
+    )
+
+
+def seq_len_bounds(committed_lens: Sequence[int], max_step_tokens: int) -> torch.Tensor:
+    """[bs] int64: an upper bound of each request's length entering the step being prepared.
+
+    committed_lens holds Req.kv_committed_len after prepare_for_decode's pre-claim of this
+    step's bonus slot: the length after the last processed step, plus one pre-claimed slot
+    per launched step whose result is not processed yet (at most one under the overlap
+    scheduler) and this one. The launched step commits between 1 and max_step_tokens
+    tokens, so the length entering this step is at most committed - 2 + max_step_tokens;
+    the bound adds the 2 back, slack that only sizes buffers."""
+    return torch.tensor(
+        [n + max_step_tokens for n in committed_lens], dtype=torch.int64
+    )
+
+
+def set_host_seq_lens(batch, max_step_tokens: int, server_args=None) -> None:
+    """End of a spec v2 prepare_for_decode: batch.seq_lens_cpu / seq_lens_sum, as bounds
+    where allowed (no host wait), else upstream's exact copy after the verify. server_args:
+    the server's (default: the global ones, read only when bounds are on)."""
+    if _ENABLED and server_args is None:
+        from sglang.srt.server_args import get_global_server_args
+
+        server_args = get_global_server_args()
+    if not batch_allows_bounds(batch, server_args):
+        batch.maybe_wait_verify_done()
+        batch.seq_lens_cpu = batch.seq_lens.cpu()
+        batch.seq_lens_sum = batch.seq_lens_cpu.sum().item()
+        return
+    verify_done = getattr(batch.spec_info, "verify_done", None)
+    if verify_done is not None:
+        # The device lengths are the verify's output: later work on this stream reads
+        # them after it, without the host waiting.
+        torch.get_device_module().current_stream().wait_event(verify_done)
+    bounds = seq_len_bounds([r.kv_committed_len for r in batch.reqs], max_step_tokens)
+    batch.seq_lens_cpu = bounds
+    batch.seq_lens_sum = int(bounds.sum())
+
+
+def exact_prefix_lens(
+    device_seq_lens: torch.Tensor, host_prefix_lens: list[int]
+) -> list[int]:
+    """Per-request prefix lengths for an eager draft extend, which builds its KV indices from
+    them: the host's list when it is exact, the device lengths (a sync) where host lengths
+    may be bounds. Bounds are used only where the draft-extend graph runs, so this is a guard.
+    """
+    if _ENABLED:
+        return device_seq_lens.tolist()
+    return host_prefix_lens

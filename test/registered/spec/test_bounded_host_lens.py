@@ -1,0 +1,251 @@
+"""speculative/bounded_host_lens.py: where a spec v2 decode step may take bounds for its host
+sequence lengths instead of waiting for the launched verify, and that the bounds hold."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.speculative import bounded_host_lens as bhl
+from specpatch.testing import engine as eng
+from specpatch.testing import synth
+
+
+def server(**overrides):
+    args = dict(
+        attention_backend="triton",
+        decode_attention_backend=None,
+        speculative_draft_attention_backend=None,
+        disable_cuda_graph=False,
+        disable_cuda_graph_padding=False,
+        page_size=1,
+        enable_two_batch_overlap=False,
+        enable_dp_attention=False,
+        pp_size=1,
+        cuda_graph_bs=None,
+        cuda_graph_max_bs=64,
+        speculative_adaptive=False,
+    )
+    args.update(overrides)
+    return SimpleNamespace(**args)
+
+
+class FakeBatch:
+    """What batch_allows_bounds and set_host_seq_lens read of a ScheduleBatch."""
+
+    def __init__(self, committed, device_lens, **overrides):
+        self.reqs = [
+            SimpleNamespace(kv_committed_len=n, multimodal_inputs=None)
+            for n in committed
+        ]
+        self.seq_lens = torch.tensor(device_lens, dtype=torch.int64)
+        self.return_logprob = False
+        self.has_grammar = False
+        self.sampling_info = SimpleNamespace(
+            penalizer_orchestrator=SimpleNamespace(is_required=False)
+        )
+        self.req_to_token_pool = SimpleNamespace()
+        self.spec_info = SimpleNamespace(verify_done=None)
+        self.waited = 0
+        for key, value in overrides.items():
+            setattr(self, key, value)
+
+    def batch_size(self):
+        return len(self.reqs)
+
+    def maybe_wait_verify_done(self):
+        self.waited += 1
+
+
+@pytest.fixture
+def enabled(monkeypatch):
+    monkeypatch.setattr(bhl, "_ENABLED", True)
+
+
+def test_off_unless_the_env_says_1(monkeypatch):
+    assert not bhl.enabled_by_env({})
+    assert bhl.enabled_by_env({bhl.ENV: "1"})
+    monkeypatch.setattr(bhl, "_ENABLED", False)
+    assert not bhl.batch_allows_bounds(FakeBatch([5], [5]), server())
+
+
+@pytest.mark.parametrize(
+    "overrides,why",
+    [
+        ({"attention_backend": "flashinfer"}, "flashinfer"),
+        ({"decode_attention_backend": "fa3"}, "fa3"),
+        ({"speculative_draft_attention_backend": "flashinfer"}, "flashinfer"),
+        ({"disable_cuda_graph": True}, "no CUDA graphs"),
+        ({"disable_cuda_graph_padding": True}, "padding"),
+        ({"page_size": 16}, "page size 16"),
+        ({"enable_two_batch_overlap": True}, "two-batch overlap"),
+        ({"enable_dp_attention": True}, "DP attention"),
+        ({"pp_size": 2}, "pipeline"),
+        (
+            {"speculative_adaptive": True, "speculative_adaptive_config": None},
+            "--speculative-adaptive without a shape policy",
+        ),
+    ],
+)
+def test_servers_that_read_exact_host_lengths_keep_them(overrides, why):
+    assert why in bhl.server_refusal(server(**overrides))
+
+
+def test_triton_with_graphs_may_take_bounds(tmp_path):
+    assert bhl.server_refusal(server()) is None
+    policy = tmp_path / "policy.json"
+    policy.write_text('{"shapes": ["16,3,32", "1,3,4"]}')
+    assert (
+        bhl.server_refusal(
+            server(speculative_adaptive=True, speculative_adaptive_config=str(policy))
+        )
+        is None
+    )
+    assert (
+        bhl.server_refusal(server(speculative_draft_attention_backend="triton")) is None
+    )
+    assert bhl.graph_batch_limit(server()) == 64
+    assert bhl.graph_batch_limit(server(cuda_graph_bs=[1, 2, 4, 24])) == 24
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"return_logprob": True},
+        {"has_grammar": True},
+        {
+            "sampling_info": SimpleNamespace(
+                penalizer_orchestrator=SimpleNamespace(is_required=True)
+            )
+        },
+        {"req_to_token_pool": SimpleNamespace(mamba_pool=object())},
+    ],
+    ids=["logprobs", "grammar", "penalizers", "mamba"],
+)
+def test_steps_that_read_exact_host_lengths_keep_them(enabled, overrides):
+    assert bhl.batch_allows_bounds(FakeBatch([5, 9], [4, 8]), server())
+    assert not bhl.batch_allows_bounds(FakeBatch([5, 9], [4, 8], **overrides), server())
+
+
+def test_multimodal_inputs_and_batches_past_the_graphs_keep_exact_lengths(enabled):
+    batch = FakeBatch([5, 9], [4, 8])
+    batch.reqs[1].multimodal_inputs = object()
+    assert not bhl.batch_allows_bounds(batch, server())
+    assert not bhl.batch_allows_bounds(FakeBatch([5] * 65, [4] * 65), server())
+    assert bhl.batch_allows_bounds(FakeBatch([5] * 64, [4] * 64), server())
+
+
+def test_bounds_do_not_wait_and_cover_the_device_lengths(enabled):
+    # Committed lengths after this step's pre-claim; the launched step committed 1 and 4.
+    batch = FakeBatch([12, 30], [11, 31])
+    bhl.set_host_seq_lens(batch, max_step_tokens=4, server_args=server())
+    assert batch.waited == 0
+    assert batch.seq_lens_cpu.tolist() == [16, 34] and batch.seq_lens_sum == 50
+    assert (batch.seq_lens_cpu >= batch.seq_lens).all()
+
+
+def test_without_bounds_the_host_waits_and_copies_exactly(monkeypatch):
+    monkeypatch.setattr(bhl, "_ENABLED", False)
+    batch = FakeBatch([12, 30], [11, 31])
+    bhl.set_host_seq_lens(batch, max_step_tokens=4, server_args=server())
+    assert batch.waited == 1
+    assert batch.seq_lens_cpu.tolist() == [11, 31] and batch.seq_lens_sum == 42
+
+
+def test_bounds_order_the_stream_after_the_verify_on_the_device(enabled, monkeypatch):
+    waits = []
+    stream = SimpleNamespace(wait_event=waits.append)
+    device = SimpleNamespace(current_stream=lambda: stream)
+    monkeypatch.setattr(bhl.torch, "get_device_module", lambda: device)
+    event = object()
+    batch = FakeBatch([3], [2], spec_info=SimpleNamespace(verify_done=event))
+    bhl.set_host_seq_lens(batch, max_step_tokens=2, server_args=server())
+    assert waits == [event] and batch.waited == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bounds_hold_over_a_run_of_the_overlap_schedulers_bookkeeping(seed):
+    """The scheduler's bookkeeping as spec v2 keeps it: prepare_for_decode pre-claims one slot
+    per step, the result of a step is processed one iteration later (+ accept - 1), and a
+    step commits 1 .. max_step_tokens tokens. The bound at each prepare covers the length
+    entering that step, by at most 2 + max_step_tokens - 1."""
+    rng = random.Random(seed)
+    max_step_tokens = 4
+    committed, seq_len = 37, 37  # just after prefill
+    unprocessed = None  # accept length of the launched step, not processed yet
+    for _ in range(200):
+        committed += 1  # prepare: pre-claim this step's bonus slot
+        bound = int(bhl.seq_len_bounds([committed], max_step_tokens)[0])
+        assert seq_len <= bound <= seq_len + max_step_tokens + 1
+        accept = rng.randint(
+            1, max_step_tokens
+        )  # launch: the step will commit this many
+        if unprocessed is not None:
+            committed += unprocessed - 1  # process the previous step's result
+        seq_len += accept
+        unprocessed = accept
+
+
+def test_the_eager_draft_extend_reads_prefix_lengths_from_the_device(monkeypatch):
+    device = torch.tensor([11, 31])
+    monkeypatch.setattr(bhl, "_ENABLED", False)
+    assert bhl.exact_prefix_lens(device, [11, 31]) == [11, 31]
+    monkeypatch.setattr(bhl, "_ENABLED", True)
+    assert bhl.exact_prefix_lens(device, [16, 34]) == [11, 31]
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "spec",
+    [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
+    ids=lambda s: s.label,
+)
+def test_servers_with_bounded_host_lengths_stay_token_identical(
+    small_pair, spec, monkeypatch, record_metric
+):
+    """Spec v2 on triton with CUDA graphs and the bounds on (the engine's processes read the
+    variable at start-up), batches that shrink as requests finish: identical to the table.
+    """
+    monkeypatch.setenv(bhl.ENV, "1")
+    target, draft = small_pair
+    accept = eng.spec_v2_identical_by_batch_size(
+        target, draft, spec, (1, 4, 24), seed=11
+    )
+    record_metric("accept_length_by_bs", accept)
+    assert all(a > 1.0 for a in accept.values()), accept
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(420)
+def test_bounded_host_lengths_under_retraction_keep_identity_and_leak_nothing(
+    toy_pair, capfd, monkeypatch, record_metric
+):
+    """256 concurrent requests on a KV pool that holds a fraction of them: retraction,
+    filter and merge all run on batches whose host lengths are bounds."""
+    monkeypatch.setenv(bhl.ENV, "1")
+    target, draft = toy_pair
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    many = eng.random_prompts(256, vocab, seed=7, min_len=16, max_len=96)
+    expected = synth.table_continuations(target, many, 128)
+    kwargs = eng.engine_kwargs(
+        target,
+        draft,
+        eng.SpecConfig(4, 3, 8),
+        max_running_requests=256,
+        max_total_tokens=12000,
+    )
+    with eng.engine(**kwargs) as e:
+        assert e.server_args.attention_backend == "triton"
+        run = eng.generate(e, many, 128)
+    eng.assert_identical(run, expected, "bounded host lengths, retract stress")
+    text = "".join(capfd.readouterr())
+    retractions = text.count("KV cache pool is full. Retract requests.")
+    record_metric("retraction_events", retractions)
+    assert retractions > 0, "the pool was large enough: the stress test did not retract"
+    eng.assert_no_leak_reported(text)
