@@ -3,6 +3,7 @@ sequence lengths instead of waiting for the launched verify, and that the bounds
 
 from __future__ import annotations
 
+import logging
 import random
 from types import SimpleNamespace
 
@@ -138,6 +139,21 @@ def test_multimodal_inputs_and_batches_past_the_graphs_keep_exact_lengths(enable
     assert bhl.batch_allows_bounds(FakeBatch([5] * 64, [4] * 64), server())
 
 
+def test_the_log_says_once_whether_the_switch_takes_effect(
+    enabled, caplog, monkeypatch
+):
+    monkeypatch.setattr(bhl, "_logged", set())
+    caplog.set_level(logging.INFO, logger=bhl.logger.name)
+    for _ in range(3):
+        bhl.set_host_seq_lens(FakeBatch([5], [4]), 4, server(page_size=16))
+    for _ in range(3):
+        bhl.set_host_seq_lens(FakeBatch([5], [4]), 4, server())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{bhl.ENV}=1 has no effect: page size 16",
+        bhl.BOUNDS_IN_USE,
+    ]
+
+
 def test_bounds_do_not_wait_and_cover_the_device_lengths(enabled):
     # Committed lengths after this step's pre-claim; the launched step committed 1 and 4.
     batch = FakeBatch([12, 30], [11, 31])
@@ -207,7 +223,7 @@ def test_the_eager_draft_extend_reads_prefix_lengths_from_the_device(monkeypatch
     ids=lambda s: s.label,
 )
 def test_servers_with_bounded_host_lengths_stay_token_identical(
-    small_pair, spec, monkeypatch, record_metric
+    small_pair, spec, monkeypatch, record_metric, capfd
 ):
     """Spec v2 on triton with CUDA graphs and the bounds on (the engine's processes read the
     variable at start-up), batches that shrink as requests finish: identical to the table.
@@ -215,10 +231,11 @@ def test_servers_with_bounded_host_lengths_stay_token_identical(
     monkeypatch.setenv(bhl.ENV, "1")
     target, draft = small_pair
     accept = eng.spec_v2_identical_by_batch_size(
-        target, draft, spec, (1, 4, 24), seed=11
+        target, draft, spec, (1, 4, 24), seed=11, log_level="info"
     )
     record_metric("accept_length_by_bs", accept)
     assert all(a > 1.0 for a in accept.values()), accept
+    assert bhl.BOUNDS_IN_USE in "".join(capfd.readouterr()), "bounds never applied"
 
 
 @pytest.mark.gpu
@@ -239,12 +256,14 @@ def test_bounded_host_lengths_under_retraction_keep_identity_and_leak_nothing(
         eng.SpecConfig(4, 3, 8),
         max_running_requests=256,
         max_total_tokens=12000,
+        log_level="info",
     )
     with eng.engine(**kwargs) as e:
         assert e.server_args.attention_backend == "triton"
         run = eng.generate(e, many, 128)
     eng.assert_identical(run, expected, "bounded host lengths, retract stress")
     text = "".join(capfd.readouterr())
+    assert bhl.BOUNDS_IN_USE in text, "bounds never applied"
     retractions = text.count("KV cache pool is full. Retract requests.")
     record_metric("retraction_events", retractions)
     assert retractions > 0, "the pool was large enough: the stress test did not retract"

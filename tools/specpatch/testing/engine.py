@@ -445,17 +445,24 @@ def spec_v2_identical_by_batch_size(
     batch_sizes: tuple[int, ...],
     seed: int,
     max_new_tokens: int = 48,
+    **engine_overrides,
 ) -> dict[int, float]:
     """Start spec v2 on triton with CUDA graphs at `batch_sizes` (the caller sets any env
     switch first: the engine's processes read it at start-up), check each batch's greedy
-    tokens against the target's table, and return the accept length by batch size."""
+    tokens against the target's table, and return the accept length by batch size.
+    engine_overrides: further engine_kwargs (e.g. log_level)."""
     from specpatch.testing import synth
 
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = random_prompts(max(batch_sizes), vocab, seed=seed)
     expected = synth.table_continuations(target, prompts, max_new_tokens)
     kwargs = engine_kwargs(
-        target, draft, spec, cuda_graph=True, cuda_graph_bs=list(batch_sizes)
+        target,
+        draft,
+        spec,
+        cuda_graph=True,
+        cuda_graph_bs=list(batch_sizes),
+        **engine_overrides,
     )
     accept = {}
     with engine(**kwargs) as e:

@@ -25,12 +25,26 @@ does, reads them from the device anyway while bounds are on (exact_prefix_lens).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional, Sequence
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 ENV = "SGLANG_SPEC_V2_BOUNDED_HOST_LENS"
+# What the log has said about the switch: once a refusal, once the first bounded step.
+BOUNDS_IN_USE = (
+    "Spec v2 decode: host sequence lengths are bounds, no host wait for verify"
+)
+_logged: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, message)
 
 
 def enabled_by_env(environ=os.environ) -> bool:
@@ -114,6 +128,8 @@ def set_host_seq_lens(batch, max_step_tokens: int, server_args=None) -> None:
         from sglang.srt.server_args import get_global_server_args
 
         server_args = get_global_server_args()
+    if _ENABLED and (refusal := server_refusal(server_args)) is not None:
+        _log_once(logging.WARNING, f"{ENV}=1 has no effect: {refusal}")
     if not batch_allows_bounds(batch, server_args):
         batch.maybe_wait_verify_done()
         batch.seq_lens_cpu = batch.seq_lens.cpu()
@@ -124,6 +140,7 @@ def set_host_seq_lens(batch, max_step_tokens: int, server_args=None) -> None:
         # The device lengths are the verify's output: later work on this stream reads
         # them after it, without the host waiting.
         torch.get_device_module().current_stream().wait_event(verify_done)
+    _log_once(logging.INFO, BOUNDS_IN_USE)
     bounds = seq_len_bounds([r.kv_committed_len for r in batch.reqs], max_step_tokens)
     batch.seq_lens_cpu = bounds
     batch.seq_lens_sum = int(bounds.sum())
