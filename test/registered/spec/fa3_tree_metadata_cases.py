@@ -75,6 +75,24 @@ def make_batch(seq_lens, D, num_real, shape, seed=0):
     )
 
 
+def fill_expand(b, page_table, cache_seqlens, cu_seqlens_k) -> None:
+    """fill_tree_verify_expand on batch b (make_batch), with the prefix offsets the FA3
+    backend passes (int32, a leading 0)."""
+    prefix_cu = torch.nn.functional.pad(torch.cumsum(b.seq_lens, 0), (1, 0))
+    fa3.fill_tree_verify_expand(
+        custom_mask=b.custom_mask,
+        seq_lens=b.seq_lens,
+        prefix_cu_seqlens=prefix_cu.to(torch.int32),
+        req_to_token=b.req_to_token,
+        req_pool_indices=b.req_pool_indices,
+        num_masked_rows=b.num_masked_rows,
+        num_draft_tokens=b.D,
+        page_table=page_table,
+        cache_seqlens=cache_seqlens,
+        cu_seqlens_k=cu_seqlens_k,
+    )
+
+
 CASES = [
     pytest.param([37], 4, 1, "random", id="bs1"),
     pytest.param([5, 120, 33], 8, 3, "random", id="ragged"),
@@ -94,19 +112,7 @@ def test_kernel_matches_reference_and_upstream(seq_lens, D, num_real, shape):
     cache_seqlens = torch.full((rows + 5,), -7, dtype=torch.int32)
     cu_seqlens_k = torch.full((rows + 6,), -7, dtype=torch.int32)
     cu_seqlens_k[0] = 0
-    prefix_cu = torch.nn.functional.pad(torch.cumsum(b.seq_lens, 0), (1, 0))
-    fa3.fill_tree_verify_expand(
-        custom_mask=b.custom_mask,
-        seq_lens=b.seq_lens,
-        prefix_cu_seqlens=prefix_cu.to(torch.int32),
-        req_to_token=b.req_to_token,
-        req_pool_indices=b.req_pool_indices,
-        num_masked_rows=b.num_masked_rows,
-        num_draft_tokens=D,
-        page_table=page_table,
-        cache_seqlens=cache_seqlens,
-        cu_seqlens_k=cu_seqlens_k,
-    )
+    fill_expand(b, page_table, cache_seqlens, cu_seqlens_k)
     ref_table, ref_counts = fa3.tree_verify_expand_reference(
         b.custom_mask,
         b.seq_lens,

@@ -10,7 +10,6 @@ import fa3_tree_metadata_cases
 import pytest
 import torch
 
-from sglang.srt.layers.attention import fa3_tree_metadata as fa3
 from specpatch.testing.interpret import interpreter_suite
 from specpatch.testing.sm90_compile import launches_compile_for_sm90
 
@@ -46,16 +45,9 @@ def test_kernel_compiles_for_sm90(seq_lens, D, num_real, shape):
     FA3 backend's: int32 page table and prefix offsets)."""
     b = fa3_tree_metadata_cases.make_batch(seq_lens, D, num_real, shape)
     rows = len(seq_lens) * D
-    prefix_cu = torch.nn.functional.pad(torch.cumsum(b.seq_lens, 0), (1, 0))
     with launches_compile_for_sm90() as compiled:
-        fa3.fill_tree_verify_expand(
-            custom_mask=b.custom_mask,
-            seq_lens=b.seq_lens,
-            prefix_cu_seqlens=prefix_cu.to(torch.int32),
-            req_to_token=b.req_to_token,
-            req_pool_indices=b.req_pool_indices,
-            num_masked_rows=b.num_masked_rows,
-            num_draft_tokens=D,
+        fa3_tree_metadata_cases.fill_expand(
+            b,
             page_table=torch.zeros(rows, D, dtype=torch.int32),
             cache_seqlens=torch.zeros(rows, dtype=torch.int32),
             cu_seqlens_k=torch.zeros(rows + 1, dtype=torch.int32),

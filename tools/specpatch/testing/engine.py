@@ -497,3 +497,32 @@ def assert_no_leak_reported(log_text: str) -> None:
     """sglang's leak check reported nothing in the captured engine output."""
     reports = [line for line in log_text.splitlines() if LEAK_REPORT.search(line)]
     assert not reports, reports
+
+
+# What sglang logs when it retracts requests to free KV.
+RETRACT_LOG_LINE = "KV cache pool is full. Retract requests."
+
+
+def retraction_stress(target: Path, draft: Path, spec: SpecConfig, **engine_overrides):
+    """256 concurrent requests of 16-96 prompt tokens and 128 new tokens each on a KV pool of
+    12000 tokens (a fraction of what they need), so the scheduler retracts. Checks that spec
+    v2 ran, and the greedy tokens against the target's table; returns the run (the caller
+    reads the captured log for retractions and leaks)."""
+    from specpatch.testing import synth
+
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    many = random_prompts(256, vocab, seed=7, min_len=16, max_len=96)
+    expected = synth.table_continuations(target, many, 128)
+    kwargs = engine_kwargs(
+        target,
+        draft,
+        spec,
+        max_running_requests=256,
+        max_total_tokens=12000,
+        **engine_overrides,
+    )
+    with engine(**kwargs) as e:
+        assert e.server_args.disable_overlap_schedule is False, "fell back to spec v1"
+        run = generate(e, many, 128)
+    assert_identical(run, expected, "retract stress")
+    return run

@@ -97,7 +97,15 @@ def batch_allows_bounds(batch, server_args) -> bool:
     return (
         _ENABLED
         and server_refusal(server_args) is None
-        and batch.batch_size() <= graph_batch_limit(server_args)
+        and step_allows_bounds(batch, server_args)
+    )
+
+
+def step_allows_bounds(batch, server_args) -> bool:
+    """The per-step half of batch_allows_bounds: a batch the graphs cover, and nothing in it
+    that reads exact host lengths."""
+    return (
+        batch.batch_size() <= graph_batch_limit(server_args)
         and not batch.return_logprob
         and not batch.has_grammar
         and not batch.sampling_info.penalizer_orchestrator.is_required
@@ -124,13 +132,17 @@ def set_host_seq_lens(batch, max_step_tokens: int, server_args=None) -> None:
     """End of a spec v2 prepare_for_decode: batch.seq_lens_cpu / seq_lens_sum, as bounds
     where allowed (no host wait), else upstream's exact copy after the verify. server_args:
     the server's (default: the global ones, read only when bounds are on)."""
-    if _ENABLED and server_args is None:
-        from sglang.srt.server_args import get_global_server_args
+    bounded = False
+    if _ENABLED:
+        if server_args is None:
+            from sglang.srt.server_args import get_global_server_args
 
-        server_args = get_global_server_args()
-    if _ENABLED and (refusal := server_refusal(server_args)) is not None:
-        _log_once(logging.WARNING, f"{ENV}=1 has no effect: {refusal}")
-    if not batch_allows_bounds(batch, server_args):
+            server_args = get_global_server_args()
+        refusal = server_refusal(server_args)
+        if refusal is not None:
+            _log_once(logging.WARNING, f"{ENV}=1 has no effect: {refusal}")
+        bounded = refusal is None and step_allows_bounds(batch, server_args)
+    if not bounded:
         batch.maybe_wait_verify_done()
         batch.seq_lens_cpu = batch.seq_lens.cpu()
         batch.seq_lens_sum = batch.seq_lens_cpu.sum().item()
