@@ -68,15 +68,15 @@ CONFIGS = {
         eng.SpecConfig(16, 3, 32),
         {"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"},
     ),
-    # ... and with the decode step's host lengths as bounds, no host wait for the verify
-    # (speculative/bounded_host_lens.py, off by default).
-    "chain-bounded-lens": (
+    # ... and with upstream's exact host lengths, the host waiting for each verify
+    # (speculative/bounded_host_lens.py makes them bounds by default).
+    "chain-exact-lens": (
         eng.SpecConfig(1, 3, 4),
-        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1"},
+        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "0"},
     ),
-    "tree-bounded-lens": (
+    "tree-exact-lens": (
         eng.SpecConfig(16, 3, 32),
-        {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1"},
+        {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "0"},
     ),
 }
 # Env switches of the A/B configs above: not shapes, so never the policy's "best fixed".
@@ -111,7 +111,7 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
         eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
         {},
     )
-    for name in ("tree-upstream-tile", "tree-split-prefix", "tree-bounded-lens"):
+    for name in ("tree-upstream-tile", "tree-split-prefix", "tree-exact-lens"):
         CONFIGS[name] = (
             eng.SpecConfig(topk, num_steps, num_draft_tokens),
             CONFIGS[name][1],

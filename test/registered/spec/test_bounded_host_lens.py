@@ -63,11 +63,15 @@ class FakeBatch:
 @pytest.fixture
 def enabled(monkeypatch):
     monkeypatch.setattr(bhl, "_ENABLED", True)
+    monkeypatch.setattr(bhl, "_bounds_issued", False)
 
 
-def test_off_unless_the_env_says_1(monkeypatch):
-    assert not bhl.enabled_by_env({})
+def test_on_unless_the_env_says_0(monkeypatch):
+    assert bhl.enabled_by_env({})
     assert bhl.enabled_by_env({bhl.ENV: "1"})
+    assert not bhl.enabled_by_env({bhl.ENV: "0"})
+    assert not bhl.requested_by_env({})
+    assert bhl.requested_by_env({bhl.ENV: "1"})
     monkeypatch.setattr(bhl, "_ENABLED", False)
     assert not bhl.batch_allows_bounds(FakeBatch([5], [5]), server())
 
@@ -138,18 +142,25 @@ def test_multimodal_inputs_and_batches_past_the_graphs_keep_exact_lengths(enable
     assert bhl.batch_allows_bounds(FakeBatch([5] * 64, [4] * 64), server())
 
 
+@pytest.mark.parametrize(
+    "env,refusal_level", [({}, logging.INFO), ({bhl.ENV: "1"}, logging.WARNING)]
+)
 def test_the_log_says_once_whether_the_switch_takes_effect(
-    enabled, caplog, monkeypatch
+    enabled, caplog, monkeypatch, env, refusal_level
 ):
     monkeypatch.setattr(bhl, "_logged", set())
+    monkeypatch.delenv(bhl.ENV, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     caplog.set_level(logging.INFO, logger=bhl.logger.name)
     for _ in range(3):
         bhl.set_host_seq_lens(FakeBatch([5], [4]), 4, server(page_size=16))
     for _ in range(3):
         bhl.set_host_seq_lens(FakeBatch([5], [4]), 4, server())
-    assert [r.getMessage() for r in caplog.records] == [
-        f"{bhl.ENV}=1 has no effect: page size 16",
-        bhl.BOUNDS_IN_USE,
+    # A refusal is a warning only for a user who asked for bounds.
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (refusal_level, f"{bhl.KEEPS_EXACT_LENS}: page size 16"),
+        (logging.INFO, bhl.BOUNDS_IN_USE),
     ]
 
 
@@ -204,11 +215,14 @@ def test_bounds_hold_over_a_run_of_the_overlap_schedulers_bookkeeping(seed):
         unprocessed = accept
 
 
-def test_the_eager_draft_extend_reads_prefix_lengths_from_the_device(monkeypatch):
+def test_the_eager_draft_extend_reads_prefix_lengths_from_the_device(
+    enabled, monkeypatch
+):
     device = torch.tensor([11, 31])
-    monkeypatch.setattr(bhl, "_ENABLED", False)
+    # Switch on but no bounds issued yet (or ever, on a refused server): no sync.
     assert bhl.exact_prefix_lens(device, [11, 31]) == [11, 31]
-    monkeypatch.setattr(bhl, "_ENABLED", True)
+    bhl.set_host_seq_lens(FakeBatch([12, 30], [11, 31]), 4, server())
+    assert bhl._bounds_issued
     assert bhl.exact_prefix_lens(device, [16, 34]) == [11, 31]
 
 
@@ -224,10 +238,10 @@ def test_the_eager_draft_extend_reads_prefix_lengths_from_the_device(monkeypatch
 def test_servers_with_bounded_host_lengths_stay_token_identical(
     small_pair, spec, monkeypatch, record_metric, capfd
 ):
-    """Spec v2 on triton with CUDA graphs and the bounds on (the engine's processes read the
-    variable at start-up), batches that shrink as requests finish: identical to the table.
-    """
-    monkeypatch.setenv(bhl.ENV, "1")
+    """Spec v2 on triton with CUDA graphs and the bounds on by default (the engine's processes
+    read the variable at start-up), batches that shrink as requests finish: identical to the
+    table."""
+    monkeypatch.delenv(bhl.ENV, raising=False)
     target, draft = small_pair
     accept = eng.spec_v2_identical_by_batch_size(
         target, draft, spec, (1, 4, 24), seed=11, log_level="info"
@@ -244,7 +258,7 @@ def test_bounded_host_lengths_under_retraction_keep_identity_and_leak_nothing(
 ):
     """256 concurrent requests on a KV pool that holds a fraction of them: retraction,
     filter and merge all run on batches whose host lengths are bounds."""
-    monkeypatch.setenv(bhl.ENV, "1")
+    monkeypatch.delenv(bhl.ENV, raising=False)
     target, draft = toy_pair
     eng.retraction_stress(target, draft, eng.SpecConfig(4, 3, 8), log_level="info")
     text = "".join(capfd.readouterr())

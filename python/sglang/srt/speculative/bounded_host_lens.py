@@ -15,8 +15,8 @@ advanced for the step being prepared) plus the most tokens one step may commit. 
 lengths stay exact; only the wait goes, replaced by a stream-side wait that keeps the
 schedule stream's later reads of them ordered after the verify.
 
-Off unless SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1, and only where nothing reads the host lengths
-as exact: triton attention (target and draft) with CUDA graphs at page size 1, no two-batch
+On by default (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=0 turns it off), and only where nothing reads
+the host lengths as exact: triton attention (target and draft) with CUDA graphs at page size 1, no two-batch
 overlap, DP attention or pipeline stages; and per step, a batch the graphs cover, with no
 logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never takes an
 eager path that builds per-request host lists from the lengths; the eager draft extend, which
@@ -38,6 +38,7 @@ ENV = "SGLANG_SPEC_V2_BOUNDED_HOST_LENS"
 BOUNDS_IN_USE = (
     "Spec v2 decode: host sequence lengths are bounds, no host wait for verify"
 )
+KEEPS_EXACT_LENS = "Spec v2 decode keeps exact host sequence lengths"
 _logged: set[str] = set()
 
 
@@ -48,10 +49,17 @@ def _log_once(level: int, message: str) -> None:
 
 
 def enabled_by_env(environ=os.environ) -> bool:
-    return environ.get(ENV, "0") == "1"
+    return environ.get(ENV, "1") != "0"
+
+
+def requested_by_env(environ=os.environ) -> bool:
+    """Whether the user set the switch on, rather than left it at its default."""
+    return environ.get(ENV) == "1"
 
 
 _ENABLED = enabled_by_env()
+# Set once this process has issued bounds: only then may an eager draft extend see them.
+_bounds_issued = False
 
 
 def server_refusal(server_args) -> Optional[str]:
@@ -140,7 +148,9 @@ def set_host_seq_lens(batch, max_step_tokens: int, server_args=None) -> None:
             server_args = get_global_server_args()
         refusal = server_refusal(server_args)
         if refusal is not None:
-            _log_once(logging.WARNING, f"{ENV}=1 has no effect: {refusal}")
+            # A server that could not use bounds anyway says so quietly, unless asked for them.
+            level = logging.WARNING if requested_by_env() else logging.INFO
+            _log_once(level, f"{KEEPS_EXACT_LENS}: {refusal}")
         bounded = refusal is None and step_allows_bounds(batch, server_args)
     if not bounded:
         batch.maybe_wait_verify_done()
@@ -152,6 +162,8 @@ def set_host_seq_lens(batch, max_step_tokens: int, server_args=None) -> None:
         # The device lengths are the verify's output: later work on this stream reads
         # them after it, without the host waiting.
         torch.get_device_module().current_stream().wait_event(verify_done)
+    global _bounds_issued
+    _bounds_issued = True
     _log_once(logging.INFO, BOUNDS_IN_USE)
     bounds = seq_len_bounds([r.kv_committed_len for r in batch.reqs], max_step_tokens)
     batch.seq_lens_cpu = bounds
@@ -163,8 +175,9 @@ def exact_prefix_lens(
 ) -> list[int]:
     """Per-request prefix lengths for an eager draft extend, which builds its KV indices from
     them: the host's list when it is exact, the device lengths (a sync) where host lengths
-    may be bounds. Bounds are used only where the draft-extend graph runs, so this is a guard.
+    may be bounds. Bounds are used only where the draft-extend graph runs, so this is a guard,
+    and a server that never issued bounds keeps the host's list without a sync.
     """
-    if _ENABLED:
+    if _bounds_issued:
         return device_seq_lens.tolist()
     return host_prefix_lens
