@@ -198,6 +198,48 @@ def test_a_one_off_at_a_batch_size_never_run_again_is_dropped_by_warm_steps_else
     assert table.seconds(NARROW, 16) == pytest.approx(dearer)
 
 
+def test_first_steps_at_new_batch_sizes_are_one_offs_however_many_in_a_row():
+    """A 7.24B policy trace (build 5f69cc8a): the narrow tree's first four steps came on a
+    shrinking batch, each the first at its size, each compiling (1.58 s at bs 13, 0.61 s at
+    bs 8, 0.15 s at bs 6, 0.26 s at bs 4, against about 7 ms warm). Counted as a streak they
+    priced the tree 20x too dear, and it never ran again. They are four one-offs; the same
+    slowness at a size the shape has run is still believed after ONE_OFF_STREAK steps.
+    """
+    table = StepCostTable({}, ema_alpha=0.2)
+    for bs, seconds in ((1, 6.3e-3), (16, 6.6e-3), (28, 8.0e-3)):
+        table.observe(CHAIN, bs, seconds)
+    expected = {bs: table.seconds(NARROW, bs) for bs in (4, 6, 8, 13, 16)}
+    for bs, seconds in ((13, 1.575), (8, 0.608), (6, 0.153), (4, 0.262)):
+        table.observe(NARROW, bs, seconds)
+    assert {bs: table.seconds(NARROW, bs) for bs in expected} == expected
+    # Warm steps then set the narrow tree's points ...
+    table.observe(NARROW, 4, 7.0e-3)
+    assert table.seconds(NARROW, 4) == 7.0e-3
+    # ... and a real slowdown at sizes it has run is believed on its third step.
+    for bs, believed in ((4, False), (13, False), (8, True)):
+        table.observe(NARROW, bs, 0.2)
+        assert (table.seconds(NARROW, bs) == 0.2) == believed
+
+
+def test_the_policy_keeps_a_shape_whose_first_steps_compiled_in_contention():
+    """The same trace, through the policy: after the narrow tree's slow first steps it still
+    scores within reach of the chain at bs 16, so a warm measurement can win there."""
+    cfg = PolicyConfig(shapes=(WIDE, NARROW, CHAIN), patience=2)
+    table = StepCostTable({}, cfg.ema_alpha)
+    for bs, seconds in ((1, 6.3e-3), (16, 6.6e-3), (28, 8.0e-3)):
+        table.observe(CHAIN, bs, seconds)
+    policy = ShapePolicy(
+        cfg, table, CHAIN, initial_accept_lengths={NARROW: 2.9, CHAIN: 2.56}
+    )
+    for bs, seconds in ((13, 1.575), (8, 0.608), (6, 0.153), (4, 0.262)):
+        policy.observe_step_time(NARROW, bs, seconds)
+    assert policy.score(NARROW, 16) > 0.5 * policy.score(CHAIN, 16)
+    policy.observe_step_time(
+        NARROW, 16, 6.8e-3
+    )  # warm: 2.9 / 6.8 ms beats 2.56 / 6.6 ms
+    assert run(policy, 16, 3)[-1] == NARROW
+
+
 def test_the_policy_runs_the_wide_tree_at_bs_1_after_its_first_step_was_a_one_off():
     """The tree ran first (its first step believed: nothing to compare it with), then the
     chain; at bs 1 the tree's warm cost wins."""

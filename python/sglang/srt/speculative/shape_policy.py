@@ -155,7 +155,9 @@ class StepCostTable:
     A step far slower than the table expects is a one-off, not what the shape costs: the first
     step of a shape or of a new batch size compiles kernels, replays a CUDA graph for the
     first time and grows allocators, and took up to a few hundred times a warm step. It is
-    left out unless the steps after it are as slow. A point far above a measured step was set
+    left out unless the steps after it are as slow. Only steps at batch sizes the shape has
+    already run count towards that streak: a shape's first steps on a growing batch are each
+    the first at their size, and three of them in a row are three one-offs, not a new cost. A point far above a measured step was set
     by such a one-off and is replaced: at the step's own batch size, and at the shape's other
     batch sizes where it is ONE_OFF_RATIO times dearer per prior unit (the prior's growth
     over batch sizes is right to well within that), since a one-off that set the only point of
@@ -181,12 +183,16 @@ class StepCostTable:
         self._seconds_per_unit: Optional[float] = None
         # Slow steps in a row, by shape (ONE_OFF_STREAK).
         self._slow: dict[Shape, int] = {}
+        # (shape, bs) pairs given or stepped, believed or not: a step at a pair not in it is
+        # the first there.
+        self._ran: set[tuple[Shape, int]] = set()
         for shape, by_bs in points.items():
             if not by_bs or min(by_bs.values()) <= 0:
                 raise ValueError(f"step costs of {shape.label} must be positive")
             self._points[shape] = {}
             for bs, seconds in sorted(by_bs.items()):
                 self._set(shape, bs, seconds)
+                self._ran.add((shape, bs))
 
     def seconds(self, shape: Shape, bs: int) -> float:
         by_bs = self._points.get(shape, {})
@@ -213,7 +219,11 @@ class StepCostTable:
         slow = bool(self._units) and seconds > self.ONE_OFF_RATIO * self.seconds(
             shape, bs
         )
+        first_at_bs = (shape, bs) not in self._ran
+        self._ran.add((shape, bs))
         if slow:
+            if first_at_bs:
+                return
             self._slow[shape] = self._slow.get(shape, 0) + 1
             if self._slow[shape] < self.ONE_OFF_STREAK:
                 return
