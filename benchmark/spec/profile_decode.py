@@ -98,6 +98,9 @@ def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
         "gpu_idle_by_launch_site_us_per_step": gpu_idle_by_launch_site(
             events, num_steps
         ),
+        "kernel_us_by_launch_site_per_step": kernel_time_by_launch_site(
+            events, num_steps, top
+        ),
         "python_us_per_step": python_frames(events, num_steps, 3 * top),
         "python_self_us_per_step": python_self_time(events, num_steps, 3 * top),
         # The scheduler thread alone (idle threads' waits would swamp a comparison), deeper
@@ -277,6 +280,58 @@ def gpu_idle_by_launch_site(
     return [(site, round(us / num_steps, 1)) for site, us in idle.most_common(top)]
 
 
+def innermost_cpu_op(call: dict, ops_by_tid: dict, starts: dict) -> str:
+    """The innermost torch op (aten::copy_, ...) enclosing a host CUDA call, or ""."""
+    ops = ops_by_tid.get(call.get("tid"), [])
+    for op in reversed(
+        ops[: bisect.bisect_right(starts.get(call.get("tid"), []), call["ts"])][-2000:]
+    ):
+        if op["ts"] + op["dur"] >= call["ts"] + call["dur"]:
+            return op["name"]
+    return ""
+
+
+def kernel_time_by_launch_site(events: list, num_steps: int, top: int = 25) -> list:
+    """GPU time per step of each kernel, by who launched it: [kernel, torch op, site, us].
+
+    A kernel's launch is its host CUDA call (same correlation id); the torch op is the
+    innermost one enclosing that call (empty for triton kernels and graph replays), the
+    site its innermost sglang frames (with_stack traces), prefixed "graph: " when the kernel
+    ran inside a replayed CUDA graph. The kernel name is kept whole: the summary's other
+    lists cut it to 90 characters, where templated torch kernels all look alike.
+    """
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in HOST_CUDA_CALLS and "correlation" in e.get("args", {})
+    }
+    frames_by_tid, frame_starts = sglang_frames_by_thread(events)
+    ops_by_tid = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops_by_tid[e.get("tid")].append(e)
+    for ops in ops_by_tid.values():
+        ops.sort(key=lambda e: e["ts"])
+    op_starts = {tid: [o["ts"] for o in ops] for tid, ops in ops_by_tid.items()}
+    by_site = collections.Counter()
+    for k in events:
+        if k.get("cat") != "kernel":
+            continue
+        call = launches.get(k.get("args", {}).get("correlation"))
+        if call is None:
+            op, site = "", "?"
+        else:
+            op = innermost_cpu_op(call, ops_by_tid, op_starts)
+            site = call_site(call, frames_by_tid, frame_starts, 2) or call["name"]
+            if call["name"] == "cudaGraphLaunch":
+                site = "graph: " + site
+        by_site[(k["name"], op, site)] += k["dur"]
+    return [
+        [name, op, site, round(us / num_steps, 1)]
+        for (name, op, site), us in by_site.most_common(top)
+    ]
+
+
 def engine_settings(target, draft, name: str, bs: int) -> dict:
     """bench_e2e's engine of config `name` (the policy's config file included), with CUDA
     graphs at the profiled size only: capturing sglang's default list is most of start-up.
@@ -403,6 +458,9 @@ def main() -> None:
         print("  GPU idle us per step, by the launch that ended the gap:")
         for site, us in s["gpu_idle_by_launch_site_us_per_step"][:8]:
             print(f"  {us:>8.1f}  {site}")
+        print("  kernel us per step, by torch op and launch site:")
+        for kernel, op, site, us in s["kernel_us_by_launch_site_per_step"][:10]:
+            print(f"  {us:>8.1f}  {kernel[:100]} | {op or '-'} | {site}")
         if args.out:  # after every config, so a call cut short keeps what finished
             Path(args.out).write_text(json.dumps(results, indent=1))
     if args.with_stack and len(results) >= 2:

@@ -279,3 +279,49 @@ def test_a_profiled_engine_is_bench_e2es_with_graphs_at_the_profiled_size(monkey
     small = profile_decode.engine_settings(Path("/t"), Path("/d"), "chain", 1)
     assert small["max_running_requests"] == 4
     assert "speculative_adaptive" not in small
+
+
+def test_kernel_time_is_charged_to_its_torch_op_and_launch_site():
+    """Eager kernels get the innermost enclosing torch op and sglang frames of their launch;
+    a kernel inside a replayed graph gets the replay's site, marked as a graph."""
+    long_name = "void at::native::elementwise_kernel<128, 4, " + "x" * 120 + ">"
+    events = [
+        _frame("sglang/srt/speculative/eagle_worker_v2.py(70): draft", 0, 1000),
+        _frame("sglang/srt/speculative/eagle_utils.py(9): cast_head", 100, 100),
+        {"cat": "cpu_op", "name": "aten::to", "ts": 100, "dur": 90, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::copy_", "ts": 110, "dur": 60, "tid": 1},
+        {
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": 120,
+            "dur": 5,
+            "tid": 1,
+            "args": {"correlation": 7},
+        },
+        {
+            "cat": "cuda_runtime",
+            "name": "cudaGraphLaunch",
+            "ts": 300,
+            "dur": 5,
+            "tid": 1,
+            "args": {"correlation": 8},
+        },
+        {**_kernel(long_name, 130, 150), "args": {"correlation": 7}},
+        {**_kernel("gemm", 310, 40), "args": {"correlation": 8}},
+        {**_kernel("gemm", 360, 40), "args": {"correlation": 8}},
+        {**_kernel("orphan", 400, 10), "args": {"correlation": 99}},
+    ]
+
+    rows = profile_decode.kernel_time_by_launch_site(events, num_steps=2)
+
+    draft = "srt/speculative/eagle_worker_v2.py(70): draft"
+    assert rows == [
+        [
+            long_name,
+            "aten::copy_",
+            "srt/speculative/eagle_utils.py(9): cast_head <- " + draft,
+            75.0,
+        ],
+        ["gemm", "", "graph: " + draft, 40.0],
+        ["orphan", "", "?", 5.0],
+    ]
