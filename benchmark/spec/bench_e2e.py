@@ -78,12 +78,23 @@ CONFIGS = {
         eng.SpecConfig(16, 3, 32),
         {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "0"},
     ),
+    # ... and with upstream's copies of the extend's k and v before the extend kernel
+    # (layers/attention/triton_extend_rows.py reads them in place by default).
+    "chain-copy-kv": (
+        eng.SpecConfig(1, 3, 4),
+        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_TRITON_EXTEND_ROWS_IN_PLACE": "0"},
+    ),
+    "tree-copy-kv": (
+        eng.SpecConfig(16, 3, 32),
+        {"SGLANG_TRITON_EXTEND_ROWS_IN_PLACE": "0"},
+    ),
 }
 # Env switches of the A/B configs above: not shapes, so never the policy's "best fixed".
 KERNEL_SWITCHES = {
     "SGLANG_TRITON_SHORT_EXTEND_TILE",
     "SGLANG_TRITON_SPLIT_PREFIX_EXTEND",
     "SGLANG_SPEC_V2_BOUNDED_HOST_LENS",
+    "SGLANG_TRITON_EXTEND_ROWS_IN_PLACE",
 }
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
 # A --speculative-adaptive-config for the policy config (e.g. one --write-policy-config
@@ -111,7 +122,12 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
         eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
         {},
     )
-    for name in ("tree-upstream-tile", "tree-split-prefix", "tree-exact-lens"):
+    for name in (
+        "tree-upstream-tile",
+        "tree-split-prefix",
+        "tree-exact-lens",
+        "tree-copy-kv",
+    ):
         CONFIGS[name] = (
             eng.SpecConfig(topk, num_steps, num_draft_tokens),
             CONFIGS[name][1],

@@ -33,6 +33,15 @@ def test_views_of_a_fused_projection_pass_through_uncopied():
     assert er.extend_rows(contiguous) is contiguous
 
 
+def test_in_place_unless_the_env_says_0(monkeypatch):
+    assert er.enabled_by_env({})
+    assert not er.enabled_by_env({"SGLANG_TRITON_EXTEND_ROWS_IN_PLACE": "0"})
+    monkeypatch.setattr(er, "_ENABLED", False)
+    k = torch.randn(5, 12 * 16)[:, 128:160].view(5, 2, 16)
+    rows = er.extend_rows(k)
+    assert rows is not k and rows.is_contiguous()
+
+
 def test_a_strided_head_dim_is_copied():
     k = torch.randn(5, 16, 2).transpose(1, 2)  # [5, 2, 16], head dim stride 2
     rows = er.extend_rows(k)

@@ -12,12 +12,23 @@ the split-prefix kernel) takes a token stride and a head stride for k and v and 
 dimension as contiguous. So only a tensor whose head dimension is not contiguous needs the copy,
 or one so long that its strided offsets pass what 32-bit index arithmetic holds (a contiguous
 copy's are smaller by the projection's width over k's).
+
+On by default; SGLANG_TRITON_EXTEND_ROWS_IN_PLACE=0 copies as upstream did (for an A/B).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+
+def enabled_by_env(environ=os.environ) -> bool:
+    """In place unless SGLANG_TRITON_EXTEND_ROWS_IN_PLACE is "0"."""
+    return environ.get("SGLANG_TRITON_EXTEND_ROWS_IN_PLACE", "1") != "0"
+
+
+_ENABLED = enabled_by_env()
 # Offsets the kernels may compute in int32.
 MAX_OFFSET = 2**31 - 1
 
@@ -27,6 +38,6 @@ def extend_rows(x: torch.Tensor) -> torch.Tensor:
     itself when its head dimension is contiguous (any token and head strides) and its last
     element's offset fits int32, else a contiguous copy."""
     last = sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
-    if x.stride(-1) == 1 and last <= MAX_OFFSET:
+    if _ENABLED and x.stride(-1) == 1 and last <= MAX_OFFSET:
         return x
     return x.contiguous()
