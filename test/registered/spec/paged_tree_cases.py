@@ -139,6 +139,8 @@ def install_server_args(case: Case):
             attention_backend="triton",
             strip_thinking_cache=False,
             disable_overlap_schedule=False,
+            # An eager server: prepare_for_decode keeps exact host lengths (bounded_host_lens).
+            disable_cuda_graph=True,
         )
     )
 
