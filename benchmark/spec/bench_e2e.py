@@ -288,6 +288,20 @@ def warm_jit_caches(
             eng.generate(e, prompts(bs, vocab, seed=bs), 16)
 
 
+def diverged_requests(
+    run: eng.GreedyRun,
+    prompts: list[list[int]],
+    successor: Optional[list[int]],
+    max_new_tokens: int,
+) -> Optional[int]:
+    """How many requests of a greedy run left the target's greedy table (every config,
+    speculating or not, must produce it), or None without a table to check against."""
+    if successor is None:
+        return None
+    expected = synth.continuations(successor, prompts, max_new_tokens)
+    return sum(a != b for a, b in zip(run.output_ids, expected))
+
+
 def measure(
     target,
     draft,
@@ -298,6 +312,7 @@ def measure(
     repeats: int = 3,
     attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"],
     mixed: Optional[MixedLoad] = None,
+    successor: Optional[list[int]] = None,
 ) -> list[dict]:
     config, _, _ = split_config(name, attention_backend)
     spec, env = CONFIGS[config]
@@ -320,17 +335,22 @@ def measure(
                     "bs": MIXED,
                     "tok_per_s": run.tok_per_s,
                     "accept_length": run.accept_length if spec else 1.0,
+                    "diverged": diverged_requests(run, ramp, successor, max_new_tokens),
                 }
             )
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
-            best = eng.best_of(e, prompts(bs, vocab, seed=bs), max_new_tokens, repeats)
+            batch = prompts(bs, vocab, seed=bs)
+            best = eng.best_of(e, batch, max_new_tokens, repeats)
             rows.append(
                 {
                     "config": name,
                     "bs": bs,
                     "tok_per_s": best.tok_per_s,
                     "accept_length": best.accept_length if spec else 1.0,
+                    "diverged": diverged_requests(
+                        best, batch, successor, max_new_tokens
+                    ),
                 }
             )
     return rows
@@ -430,6 +450,8 @@ def main() -> None:
 
     target, draft = ensure_pair(args.models, args.preset, args.agreement)
     vocab = synth.load_meta(target)["spec"]["vocab"]
+    # Every greedy output is checked against the target's table: an A/B is an identity run.
+    successor = greedy_table(target)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     names = args.configs.split(",")
     # The first engine in a process pays one-time costs (kernel JIT and autotune caches) that
@@ -452,6 +474,7 @@ def main() -> None:
                 vocab,
                 repeats=args.repeats,
                 mixed=mixed,
+                successor=successor,
                 **backend,
             ):
                 r["engines"] = args.rounds
@@ -480,6 +503,7 @@ def main() -> None:
         )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(identity_line(rows))
     print_pair_ratios(rows, "tree", "tree-v1", "tok_per_s", "tree v2 / v1 tok/s")
     if args.rounds > 1:
         spread = round_ratios(per_round, "tree", "tree-v1")
@@ -509,6 +533,32 @@ def main() -> None:
             args.png,
             f"{args.preset} target, draft agreement {args.agreement}, tree {args.tree}",
         )
+
+
+def greedy_table(target) -> list[int]:
+    """The target's greedy successor table, read on the GPU where there is one (a 7B-class
+    target's embed x lm_head is minutes on a few CPU cores), then freed for the engines.
+    """
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    table = synth.successor_table(target, device=device).tolist()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return table
+
+
+def identity_line(rows: list[dict]) -> str:
+    """One line on whether every measured cell kept the target's greedy output."""
+    checked = [r for r in rows if r.get("diverged") is not None]
+    bad = [r for r in checked if r["diverged"]]
+    if not bad:
+        return (
+            f"token identity: all {len(checked)} cells match the target's greedy table"
+        )
+    return "token identity: DIVERGED in " + ", ".join(
+        f"{r['config']} bs {r['bs']} ({r['diverged']} requests)" for r in bad
+    )
 
 
 def measured_step_costs(rows: list[dict], backend: str) -> dict[str, dict[str, float]]:

@@ -11,6 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
 import bench_e2e  # noqa: E402
 
+from specpatch.testing import engine as eng  # noqa: E402
+
 
 def test_round_ratios_pair_the_configs_of_each_round():
     per_round = {
@@ -250,3 +252,33 @@ def test_prompts_take_their_lengths_from_prompt_len(monkeypatch):
     assert all(0 <= t < 32000 for p in long for t in p)
     monkeypatch.setattr(bench_e2e, "PROMPT_LEN", [8, 64])
     assert all(8 <= len(p) <= 64 for p in bench_e2e.prompts(16, 100, seed=1))
+
+
+def test_every_greedy_cell_is_checked_against_the_targets_table():
+    """Token 0 -> 1 -> 2 -> 0 ...: a run that follows the table diverges nowhere; one
+    request off the table is counted, and the summary names the cell."""
+    successor = [1, 2, 0]
+    prompts = [[2], [0, 1]]
+    good = eng.GreedyRun(
+        output_ids=[[0, 1, 2], [2, 0, 1]], seconds=1.0, completion_tokens=6
+    )
+    bad = eng.GreedyRun(
+        output_ids=[[0, 1, 2], [2, 1, 1]], seconds=1.0, completion_tokens=6
+    )
+
+    assert bench_e2e.diverged_requests(good, prompts, successor, 3) == 0
+    assert bench_e2e.diverged_requests(bad, prompts, successor, 3) == 1
+    assert bench_e2e.diverged_requests(bad, prompts, None, 3) is None
+
+    rows = [
+        {"config": "none", "bs": 2, "diverged": 0},
+        {"config": "chain", "bs": 2, "diverged": 0},
+        {"config": "old", "bs": 2},  # a row from a run without the check
+    ]
+    assert bench_e2e.identity_line(rows) == (
+        "token identity: all 2 cells match the target's greedy table"
+    )
+    rows.append({"config": "tree", "bs": 2, "diverged": 1})
+    assert bench_e2e.identity_line(rows) == (
+        "token identity: DIVERGED in tree bs 2 (1 requests)"
+    )

@@ -361,7 +361,13 @@ def table_continuations(
     model_dir: str | Path, prompts: list[list[int]], n: int
 ) -> list[list[int]]:
     """The target's greedy continuation of each prompt: n steps along its successor table."""
-    successor = successor_table(model_dir).tolist()
+    return continuations(successor_table(model_dir).tolist(), prompts, n)
+
+
+def continuations(
+    successor: list[int], prompts: list[list[int]], n: int
+) -> list[list[int]]:
+    """n steps of each prompt along a successor table (successor_table(...).tolist())."""
     out = []
     for prompt in prompts:
         token, tokens = prompt[-1], []
