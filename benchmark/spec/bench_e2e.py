@@ -14,7 +14,8 @@ end in @BACKEND to run that config on another attention backend than --attention
 --page-size PAGE (tree@fa3:16,tree-v1@fa3:16; page size 1 without it). With both tree and tree-v1 (and chain)
 measured, it also prints tree v2 / v1 tok/s and tree / chain accept length per batch size;
 --ratios A/B,C/D prints tok/s ratios of any measured pairs. --replot results.json redraws
-the PNG only.
+the PNG only. Every greedy output is checked against the target's successor table (each row's
+"diverged": requests that left it), and the run prints one token-identity line.
 
 Presets (specpatch.testing.synth.PRESETS): toy, small, bench (1.21B) and llama8b (7.24B, Llama-3-8B's
 shape). The pair is made on the GPU the first time; --models DIR keeps it for later calls on a
