@@ -17,7 +17,7 @@ import torch
 
 from sglang.srt.managers import schedule_batch
 from sglang.srt.managers.schedule_batch import ScheduleBatch
-from sglang.srt.speculative import eagle_info_v2, spec_utils
+from sglang.srt.speculative import bounded_host_lens, eagle_info_v2, spec_utils
 from sglang.srt.speculative.eagle_info import EagleDraftInput
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -157,6 +157,9 @@ def stand_ins(monkeypatch):
             )
             offset += hi - lo
 
+    # Upstream's exact host lengths (a server that cannot use bounds); the bounds path has
+    # its own tests (test_bounded_host_lens.py).
+    monkeypatch.setattr(bounded_host_lens, "_ENABLED", False)
     monkeypatch.setattr(eagle_info_v2, "alloc_token_slots", alloc_token_slots)
     monkeypatch.setattr(eagle_info_v2, "get_alloc_len_per_decode", lambda: ALLOC_LEN)
     monkeypatch.setattr(
