@@ -49,54 +49,30 @@ CONFIGS = {
     "narrow": (eng.SpecConfig(4, 3, 8), {}),
     "chain1": (eng.SpecConfig(1, 1, 2), {}),
     "policy": (eng.SpecConfig(16, 3, 32), {}),
-    # The chain and the wide tree with upstream's query tile for triton's extend attention
-    # (layers/attention/triton_short_extend.py sizes it to the verify), for an A/B in one run.
-    "chain-upstream-tile": (
-        eng.SpecConfig(1, 3, 4),
-        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_TRITON_SHORT_EXTEND_TILE": "0"},
-    ),
-    "tree-upstream-tile": (
-        eng.SpecConfig(16, 3, 32),
-        {"SGLANG_TRITON_SHORT_EXTEND_TILE": "0"},
-    ),
-    # ... and with the verify's prefix split across programs at small batch
-    # (layers/attention/triton_split_prefix.py, off by default).
-    "chain-split-prefix": (
-        eng.SpecConfig(1, 3, 4),
-        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"},
-    ),
-    "tree-split-prefix": (
-        eng.SpecConfig(16, 3, 32),
-        {"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"},
-    ),
-    # ... and with upstream's exact host lengths, the host waiting for each verify
-    # (speculative/bounded_host_lens.py makes them bounds by default).
-    "chain-exact-lens": (
-        eng.SpecConfig(1, 3, 4),
-        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "0"},
-    ),
-    "tree-exact-lens": (
-        eng.SpecConfig(16, 3, 32),
-        {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "0"},
-    ),
-    # ... and with upstream's copies of the extend's k and v before the extend kernel
-    # (layers/attention/triton_extend_rows.py reads them in place by default).
-    "chain-copy-kv": (
-        eng.SpecConfig(1, 3, 4),
-        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", "SGLANG_TRITON_EXTEND_ROWS_IN_PLACE": "0"},
-    ),
-    "tree-copy-kv": (
-        eng.SpecConfig(16, 3, 32),
-        {"SGLANG_TRITON_EXTEND_ROWS_IN_PLACE": "0"},
-    ),
 }
+# Kernel and host-path A/Bs, each a chain 1,3,4 and a wide tree config ("chain-SUFFIX",
+# "tree-SUFFIX") with one env switch set against its default, for an A/B in one run:
+KERNEL_AB = {
+    # upstream's query tile for triton's extend attention (triton_short_extend.py sizes it
+    # to the verify);
+    "upstream-tile": {"SGLANG_TRITON_SHORT_EXTEND_TILE": "0"},
+    # the verify's prefix split across programs at small batch (triton_split_prefix.py,
+    # off by default);
+    "split-prefix": {"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"},
+    # upstream's exact host lengths, the host waiting for each verify (bounded_host_lens.py
+    # makes them bounds by default);
+    "exact-lens": {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "0"},
+    # upstream's copies of the extend's k and v (triton_extend_rows.py reads them in place).
+    "copy-kv": {"SGLANG_TRITON_EXTEND_ROWS_IN_PLACE": "0"},
+}
+for _suffix, _env in KERNEL_AB.items():
+    CONFIGS[f"chain-{_suffix}"] = (
+        eng.SpecConfig(1, 3, 4),
+        {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", **_env},
+    )
+    CONFIGS[f"tree-{_suffix}"] = (eng.SpecConfig(16, 3, 32), dict(_env))
 # Env switches of the A/B configs above: not shapes, so never the policy's "best fixed".
-KERNEL_SWITCHES = {
-    "SGLANG_TRITON_SHORT_EXTEND_TILE",
-    "SGLANG_TRITON_SPLIT_PREFIX_EXTEND",
-    "SGLANG_SPEC_V2_BOUNDED_HOST_LENS",
-    "SGLANG_TRITON_EXTEND_ROWS_IN_PLACE",
-}
+KERNEL_SWITCHES = {key for env in KERNEL_AB.values() for key in env}
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
 # A --speculative-adaptive-config for the policy config (e.g. one --write-policy-config
 # wrote, with step costs); None: one with POLICY_SHAPES alone.
@@ -123,12 +99,7 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
         eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
         {},
     )
-    for name in (
-        "tree-upstream-tile",
-        "tree-split-prefix",
-        "tree-exact-lens",
-        "tree-copy-kv",
-    ):
+    for name in (f"tree-{suffix}" for suffix in KERNEL_AB):
         CONFIGS[name] = (
             eng.SpecConfig(topk, num_steps, num_draft_tokens),
             CONFIGS[name][1],

@@ -200,33 +200,57 @@ def outermost_time(events: list, needle: str, num_steps: int) -> float:
     return round(total / num_steps, 1)
 
 
+def events_by_thread(events: list, keep) -> tuple[dict, dict]:
+    """The events `keep` accepts, per thread, sorted by start, and their start times (for
+    bisect)."""
+    by_tid = collections.defaultdict(list)
+    for e in events:
+        if keep(e):
+            by_tid[e.get("tid")].append(e)
+    for kept in by_tid.values():
+        kept.sort(key=lambda e: e["ts"])
+    starts = {tid: [e["ts"] for e in kept] for tid, kept in by_tid.items()}
+    return by_tid, starts
+
+
 def sglang_frames_by_thread(events: list) -> tuple[dict, dict]:
     """sglang Python frames per thread, sorted by start, and their start times (for bisect)."""
-    frames_by_tid = collections.defaultdict(list)
-    for e in events:
-        if e.get("cat") == "python_function" and "sglang" in e["name"]:
-            frames_by_tid[e["tid"]].append(e)
-    for frames in frames_by_tid.values():
-        frames.sort(key=lambda e: e["ts"])
-    starts = {tid: [f["ts"] for f in frames] for tid, frames in frames_by_tid.items()}
-    return frames_by_tid, starts
+    return events_by_thread(
+        events, lambda e: e.get("cat") == "python_function" and "sglang" in e["name"]
+    )
+
+
+def enclosing(call: dict, by_tid: dict, starts: dict, depth: int) -> list:
+    """The innermost `depth` events of the call's thread that enclose it, innermost first."""
+    candidates = by_tid.get(call.get("tid"), [])
+    found = []
+    # Enclosing events start before the call and end after it; the innermost start last.
+    for e in reversed(
+        candidates[: bisect.bisect_right(starts.get(call.get("tid"), []), call["ts"])][
+            -20000:
+        ]
+    ):
+        if e["ts"] + e["dur"] >= call["ts"] + call["dur"]:
+            found.append(e)
+            if len(found) == depth:
+                break
+    return found
 
 
 def call_site(call: dict, frames_by_tid: dict, starts: dict, depth: int) -> str:
     """The innermost `depth` sglang frames enclosing a runtime call, innermost first."""
-    frames = frames_by_tid.get(call.get("tid"), [])
-    stack = []
-    # Enclosing frames start before the call and end after it; the innermost start last.
-    for f in reversed(
-        frames[: bisect.bisect_right(starts.get(call.get("tid"), []), call["ts"])][
-            -20000:
-        ]
-    ):
-        if f["ts"] + f["dur"] >= call["ts"] + call["dur"]:
-            stack.append(f["name"].split("sglang/")[-1])
-            if len(stack) == depth:
-                break
-    return " <- ".join(stack)
+    frames = enclosing(call, frames_by_tid, starts, depth)
+    return " <- ".join(f["name"].split("sglang/")[-1] for f in frames)
+
+
+def launches_by_correlation(events: list) -> dict:
+    """Host CUDA calls (kernel and graph launches, copies) by the correlation id their GPU
+    activity carries."""
+    return {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in HOST_CUDA_CALLS and "correlation" in e.get("args", {})
+    }
 
 
 def sync_callers(events: list, runtime: list, num_steps: int, depth: int = 3) -> list:
@@ -258,11 +282,7 @@ def gpu_idle_by_launch_site(
     activity = sorted(
         (e for e in events if e.get("cat") in GPU_ACTIVITY), key=lambda e: e["ts"]
     )
-    launches = {
-        e["args"]["correlation"]: e
-        for e in events
-        if e.get("cat") in HOST_CUDA_CALLS and "correlation" in e.get("args", {})
-    }
+    launches = launches_by_correlation(events)
     frames_by_tid, starts = sglang_frames_by_thread(events)
     idle = collections.Counter()
     end = None
@@ -280,17 +300,6 @@ def gpu_idle_by_launch_site(
     return [(site, round(us / num_steps, 1)) for site, us in idle.most_common(top)]
 
 
-def innermost_cpu_op(call: dict, ops_by_tid: dict, starts: dict) -> str:
-    """The innermost torch op (aten::copy_, ...) enclosing a host CUDA call, or ""."""
-    ops = ops_by_tid.get(call.get("tid"), [])
-    for op in reversed(
-        ops[: bisect.bisect_right(starts.get(call.get("tid"), []), call["ts"])][-2000:]
-    ):
-        if op["ts"] + op["dur"] >= call["ts"] + call["dur"]:
-            return op["name"]
-    return ""
-
-
 def kernel_time_by_launch_site(events: list, num_steps: int, top: int = 25) -> list:
     """GPU time per step of each kernel, by who launched it: [kernel, torch op, site, us].
 
@@ -300,19 +309,9 @@ def kernel_time_by_launch_site(events: list, num_steps: int, top: int = 25) -> l
     ran inside a replayed CUDA graph. The kernel name is kept whole: the summary's other
     lists cut it to 90 characters, where templated torch kernels all look alike.
     """
-    launches = {
-        e["args"]["correlation"]: e
-        for e in events
-        if e.get("cat") in HOST_CUDA_CALLS and "correlation" in e.get("args", {})
-    }
+    launches = launches_by_correlation(events)
     frames_by_tid, frame_starts = sglang_frames_by_thread(events)
-    ops_by_tid = collections.defaultdict(list)
-    for e in events:
-        if e.get("cat") == "cpu_op":
-            ops_by_tid[e.get("tid")].append(e)
-    for ops in ops_by_tid.values():
-        ops.sort(key=lambda e: e["ts"])
-    op_starts = {tid: [o["ts"] for o in ops] for tid, ops in ops_by_tid.items()}
+    ops_by_tid, op_starts = events_by_thread(events, lambda e: e.get("cat") == "cpu_op")
     by_site = collections.Counter()
     for k in events:
         if k.get("cat") != "kernel":
@@ -321,7 +320,8 @@ def kernel_time_by_launch_site(events: list, num_steps: int, top: int = 25) -> l
         if call is None:
             op, site = "", "?"
         else:
-            op = innermost_cpu_op(call, ops_by_tid, op_starts)
+            ops = enclosing(call, ops_by_tid, op_starts, 1)
+            op = ops[0]["name"] if ops else ""
             site = call_site(call, frames_by_tid, frame_starts, 2) or call["name"]
             if call["name"] == "cudaGraphLaunch":
                 site = "graph: " + site

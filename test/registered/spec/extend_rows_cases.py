@@ -10,7 +10,6 @@ import torch
 
 from sglang.srt.layers.attention import triton_split_prefix as sp
 from sglang.srt.layers.attention.triton_extend_rows import extend_rows
-from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
 CASES = [c for c in spc.CASES if c.name != "bs2_scaled_kv"]
 
@@ -31,25 +30,7 @@ def fused_views(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def upstream(x: dict, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     out = torch.full_like(x["q_extend"], float("nan"))
-    extend_attention_fwd(
-        x["q_extend"],
-        k,
-        v,
-        out,
-        x["k_buffer"],
-        x["v_buffer"],
-        x["qo_indptr"],
-        x["kv_indptr"],
-        x["kv_indices"],
-        x["custom_mask"],
-        x["is_causal"],
-        x["mask_indptr"],
-        int((x["qo_indptr"][1:] - x["qo_indptr"][:-1]).max()),
-        x["k_scale"],
-        x["v_scale"],
-        sm_scale=x["sm_scale"],
-    )
-    return out
+    return spc.upstream_extend(x, out, k_extend=k, v_extend=v)
 
 
 def split_prefix(x: dict, k: torch.Tensor, v: torch.Tensor, case) -> torch.Tensor:

@@ -141,35 +141,13 @@ def test_matches_upstreams_extend_kernel_on_a_verify(prefix, rows):
     as upstream's kernel, to bf16 rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from sglang.srt.layers.attention.triton_ops.extend_attention import (
-        extend_attention_fwd,
-    )
-
     case = split_prefix_cases.Case("verify", (prefix,), (rows,), 32, 8, 128, "tree")
     x = split_prefix_cases.make_inputs(case, "cuda", torch.bfloat16, seed=prefix)
     ours = torch.empty_like(x["q_extend"])
     sp.split_prefix_extend_attention(
         split_prefix_cases.plan_for(case), o_extend=ours, **x
     )
-    upstream = torch.empty_like(x["q_extend"])
-    extend_attention_fwd(
-        x["q_extend"],
-        x["k_extend"],
-        x["v_extend"],
-        upstream,
-        x["k_buffer"],
-        x["v_buffer"],
-        x["qo_indptr"],
-        x["kv_indptr"],
-        x["kv_indices"],
-        x["custom_mask"],
-        False,
-        x["mask_indptr"],
-        rows,
-        1.0,
-        1.0,
-        sm_scale=x["sm_scale"],
-    )
+    upstream = split_prefix_cases.upstream_extend(x, torch.empty_like(ours))
     torch.testing.assert_close(ours, upstream, atol=2e-2, rtol=2e-2)
 
 

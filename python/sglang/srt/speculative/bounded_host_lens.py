@@ -16,11 +16,11 @@ lengths stay exact; only the wait goes, replaced by a stream-side wait that keep
 schedule stream's later reads of them ordered after the verify.
 
 On by default (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=0 turns it off), and only where nothing reads
-the host lengths as exact: triton attention (target and draft) with CUDA graphs at page size 1, no two-batch
-overlap, DP attention or pipeline stages; and per step, a batch the graphs cover, with no
-logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never takes an
-eager path that builds per-request host lists from the lengths; the eager draft extend, which
-does, reads them from the device anyway while bounds are on (exact_prefix_lens).
+the host lengths as exact: triton attention (target and draft) with CUDA graphs at page size 1,
+no two-batch overlap, DP attention or pipeline stages; and per step, a batch the graphs cover,
+with no logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never
+takes an eager path that builds per-request host lists from the lengths; the eager draft extend,
+which does, reads them from the device once bounds have been issued (exact_prefix_lens).
 """
 
 from __future__ import annotations

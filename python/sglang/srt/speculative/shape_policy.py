@@ -153,15 +153,15 @@ class StepCostTable:
     run; the next measured step replaces the guess.
 
     A step far slower than the table expects is a one-off, not what the shape costs: the first
-    step of a shape or of a new batch size compiles kernels, replays a CUDA graph for the
-    first time and grows allocators, and took up to a few hundred times a warm step. It is
-    left out unless the steps after it are as slow. Only steps at batch sizes the shape has
-    already run count towards that streak: a shape's first steps on a growing batch are each
-    the first at their size, and three of them in a row are three one-offs, not a new cost. A point far above a measured step was set
-    by such a one-off and is replaced: at the step's own batch size, and at the shape's other
-    batch sizes where it is ONE_OFF_RATIO times dearer per prior unit (the prior's growth
-    over batch sizes is right to well within that), since a one-off that set the only point of
-    a batch size is otherwise never run there again to be corrected.
+    step of a shape or of a new batch size compiles kernels, replays a CUDA graph for the first
+    time and grows allocators, and took up to a few hundred times a warm step. It is left out
+    unless the steps after it are as slow. Only steps at batch sizes the shape has already run
+    count towards that streak: a shape's first steps on a growing batch are each the first at
+    their size, and three of them in a row are three one-offs, not a new cost. A point far above
+    a measured step was set by such a one-off and is replaced: at the step's own batch size, and
+    at the shape's other batch sizes where it is ONE_OFF_RATIO times dearer per prior unit (the
+    prior's growth over batch sizes is right to well within that), since a one-off that set the
+    only point of a batch size is otherwise never run there again to be corrected.
     """
 
     # How many times the expected seconds a step may take and still be believed.

@@ -37,7 +37,10 @@ def extend_rows(x: torch.Tensor) -> torch.Tensor:
     """x ([tokens, heads, head_dim] k or v of the extend) as the extend kernels can read it:
     itself when its head dimension is contiguous (any token and head strides) and its last
     element's offset fits int32, else a contiguous copy."""
-    last = sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
-    if _ENABLED and x.stride(-1) == 1 and last <= MAX_OFFSET:
+    if _ENABLED and x.stride(-1) == 1 and _last_offset(x) <= MAX_OFFSET:
         return x
     return x.contiguous()
+
+
+def _last_offset(x: torch.Tensor) -> int:
+    return sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
