@@ -424,7 +424,7 @@ def main() -> None:
     vocab = synth.load_meta(target)["spec"]["vocab"]
     # Every greedy output is checked against the target's table: an A/B is an identity run.
     successor = greedy_table(target)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]  # "": mixed only
     names = args.configs.split(",")
     # The first engine in a process pays one-time costs (kernel JIT and autotune caches) that
     # otherwise favour whichever config is measured later: start and discard one first.
