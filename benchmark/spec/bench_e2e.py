@@ -50,15 +50,16 @@ CONFIGS = {
     "chain1": (eng.SpecConfig(1, 1, 2), {}),
     "policy": (eng.SpecConfig(16, 3, 32), {}),
 }
-# Kernel and host-path A/Bs, each a chain 1,3,4 and a wide tree config ("chain-SUFFIX",
-# "tree-SUFFIX") with one env switch set against its default, for an A/B in one run:
+# Kernel and host-path A/Bs, each a chain 1,3,4, a wide and a narrow tree config
+# ("chain-SUFFIX", "tree-SUFFIX", "narrow-SUFFIX") with one env switch set against its
+# default, for an A/B in one run:
 KERNEL_AB = {
     # upstream's query tile for triton's extend attention (triton_short_extend.py sizes it
     # to the verify);
     "upstream-tile": {"SGLANG_TRITON_SHORT_EXTEND_TILE": "0"},
-    # the verify's prefix split across programs at small batch (triton_split_prefix.py,
-    # off by default);
-    "split-prefix": {"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"},
+    # upstream's extend kernel walking a verify's whole prefix in one program per (request,
+    # head) at small batch (triton_split_prefix.py splits it by default);
+    "whole-prefix": {"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "0"},
     # upstream's exact host lengths, the host waiting for each verify (bounded_host_lens.py
     # makes them bounds by default);
     "exact-lens": {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "0"},
@@ -71,6 +72,7 @@ for _suffix, _env in KERNEL_AB.items():
         {"SGLANG_SPEC_CHAIN_FAST_PATH": "1", **_env},
     )
     CONFIGS[f"tree-{_suffix}"] = (eng.SpecConfig(16, 3, 32), dict(_env))
+    CONFIGS[f"narrow-{_suffix}"] = (eng.SpecConfig(4, 3, 8), dict(_env))
 # Env switches of the A/B configs above: not shapes, so never the policy's "best fixed".
 KERNEL_SWITCHES = {key for env in KERNEL_AB.values() for key in env}
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
