@@ -1,7 +1,7 @@
 """Triton extend attention at speculative verify shapes, one process, side by side: upstream's
 prefill query tile; a tile as long as the extend (sglang.srt.layers.attention.triton_short_extend);
-and that plus the split prefix at small batch (triton_split_prefix), i.e. what the series runs
-with SGLANG_TRITON_SPLIT_PREFIX_EXTEND=1.
+and that plus the split prefix at small batch (triton_split_prefix), what the series runs by
+default.
 
     python benchmark/spec/bench_verify_attention.py --batch-sizes 1,16,64 --draft-tokens 2,4,32
 

@@ -229,7 +229,7 @@ def test_policy_ratios_compare_with_no_speculation_and_the_best_fixed_shape():
         row("tree-v1", 1, 400.0),  # spec v1: not a shape the policy runs
         row("tree@flashinfer", 1, 500.0),  # another backend: neither
         row("chain-upstream-tile", 1, 600.0),  # kernel A/Bs: not shapes
-        row("tree-split-prefix", 1, 700.0),
+        row("tree-whole-prefix", 1, 700.0),
         row("chain-exact-lens", 1, 800.0),
         row("policy", 1, 171.0),
         row("none", "mixed", 1000.0),

@@ -97,31 +97,36 @@ def make_inputs(case: Case, device: str, dtype: torch.dtype, seed: int = 0) -> d
 
 def upstream_extend(x: dict, out: torch.Tensor, **overrides) -> torch.Tensor:
     """Upstream's extend_attention_fwd on make_inputs' inputs (any of them overridden, e.g.
-    k_extend), written into out."""
+    k_extend), written into out: the split prefix, on by default, is switched off for it.
+    """
     from sglang.srt.layers.attention.triton_ops.extend_attention import (
         extend_attention_fwd,
     )
 
     x = {**x, **overrides}
     extend_lens = x["qo_indptr"][1:] - x["qo_indptr"][:-1]
-    extend_attention_fwd(
-        x["q_extend"],
-        x["k_extend"],
-        x["v_extend"],
-        out,
-        x["k_buffer"],
-        x["v_buffer"],
-        x["qo_indptr"],
-        x["kv_indptr"],
-        x["kv_indices"],
-        x["custom_mask"],
-        x["is_causal"],
-        x["mask_indptr"],
-        int(extend_lens.max()),
-        x["k_scale"],
-        x["v_scale"],
-        sm_scale=x["sm_scale"],
-    )
+    saved, sp._ENABLED = sp._ENABLED, False
+    try:
+        extend_attention_fwd(
+            x["q_extend"],
+            x["k_extend"],
+            x["v_extend"],
+            out,
+            x["k_buffer"],
+            x["v_buffer"],
+            x["qo_indptr"],
+            x["kv_indptr"],
+            x["kv_indices"],
+            x["custom_mask"],
+            x["is_causal"],
+            x["mask_indptr"],
+            int(extend_lens.max()),
+            x["k_scale"],
+            x["v_scale"],
+            sm_scale=x["sm_scale"],
+        )
+    finally:
+        sp._ENABLED = saved
     return out
 
 

@@ -32,9 +32,10 @@ def enabled(monkeypatch):
     monkeypatch.setattr(sp, "_ENABLED", True)
 
 
-def test_off_unless_the_env_says_1(monkeypatch):
-    assert not sp.enabled_by_env({})
+def test_on_unless_the_env_says_0(monkeypatch):
+    assert sp.enabled_by_env({})
     assert sp.enabled_by_env({"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "1"})
+    assert not sp.enabled_by_env({"SGLANG_TRITON_SPLIT_PREFIX_EXTEND": "0"})
     monkeypatch.setattr(sp, "_ENABLED", False)
     assert sp.plan_split_prefix(4, 1, 32, 8, 128, 128) is None
 

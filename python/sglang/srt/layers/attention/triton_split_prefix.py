@@ -18,9 +18,9 @@ Only the summation order differs from upstream's kernel. The split count is a fu
 batch size and head count (host ints), so a CUDA graph captures a fixed grid; how long each
 request's prefix is stays on the device.
 
-Off unless SGLANG_TRITON_SPLIT_PREFIX_EXTEND=1: a server's tokens stay identical and one layer's
-attention is much faster (benchmark/spec/bench_verify_attention.py), but the gain is per prefix
-token, and it waits for an end-to-end run at the long contexts it is for (docs/benchmarks.md).
+On by default; SGLANG_TRITON_SPLIT_PREFIX_EXTEND=0 keeps upstream's kernel. The gain grows with
+the prefix: a verify's attention is a small part of a step over a prompt of tens of tokens and
+most of it over thousands (docs/benchmarks.md, the split prefix at long contexts).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ BLOCK_N = 32
 
 
 def enabled_by_env(environ=os.environ) -> bool:
-    return environ.get("SGLANG_TRITON_SPLIT_PREFIX_EXTEND", "0") == "1"
+    return environ.get("SGLANG_TRITON_SPLIT_PREFIX_EXTEND", "1") != "0"
 
 
 _ENABLED = enabled_by_env()
