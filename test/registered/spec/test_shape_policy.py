@@ -221,6 +221,33 @@ def test_first_steps_at_new_batch_sizes_are_one_offs_however_many_in_a_row():
         assert (table.seconds(NARROW, bs) == 0.2) == believed
 
 
+def test_a_first_step_under_the_one_off_ratio_is_replaced_by_the_next():
+    """A 7.24B policy trace (build 080af71e, bs 1): the narrow tree's first step, its graphs'
+    first replay, took 32.9 ms on the device, under 4x what the table expected; the next took
+    9.1 ms. Moved by the EMA the point stayed near 28 ms, priced the narrow tree at 3x its cost
+    and it never ran again. The second step at a batch size replaces the first's point; later
+    steps are smoothed as before."""
+    table = StepCostTable({}, ema_alpha=0.2)
+    for seconds in (34.9e-3, 8.16e-3, 8.12e-3):
+        table.observe(WIDE, 1, seconds)
+    table.observe(CHAIN, 1, 11.8e-3)
+    assert (
+        table.seconds(CHAIN, 1) == 11.8e-3
+    )  # believed: 1.6x what the wide tree implies
+    table.observe(NARROW, 1, 32.9e-3)  # under ONE_OFF_RATIO x the table: believed
+    assert table.seconds(NARROW, 1) == 32.9e-3
+    table.observe(NARROW, 1, 9.1e-3)
+    assert table.seconds(NARROW, 1) == 9.1e-3
+    table.observe(NARROW, 1, 8.6e-3)  # warm steps: the EMA again
+    assert table.seconds(NARROW, 1) == pytest.approx(0.8 * 9.1e-3 + 0.2 * 8.6e-3)
+    table.observe(CHAIN, 1, 7.6e-3)
+    assert table.seconds(CHAIN, 1) == 7.6e-3
+    # Given points are not provisional: a step moves them by the EMA.
+    given = StepCostTable({NARROW: {1: 9.0e-3}}, ema_alpha=0.2)
+    given.observe(NARROW, 1, 8.0e-3)
+    assert given.seconds(NARROW, 1) == pytest.approx(0.8 * 9.0e-3 + 0.2 * 8.0e-3)
+
+
 def test_the_policy_keeps_a_shape_whose_first_steps_compiled_in_contention():
     """The same trace, through the policy: after the narrow tree's slow first steps it still
     scores within reach of the chain at bs 16, so a warm measurement can win there."""

@@ -161,7 +161,10 @@ class StepCostTable:
     a measured step was set by such a one-off and is replaced: at the step's own batch size, and
     at the shape's other batch sizes where it is ONE_OFF_RATIO times dearer per prior unit (the
     prior's growth over batch sizes is right to well within that), since a one-off that set the
-    only point of a batch size is otherwise never run there again to be corrected.
+    only point of a batch size is otherwise never run there again to be corrected. A point set
+    by a shape's first step at a batch size is provisional: a one-off can stay under
+    ONE_OFF_RATIO (the first replay of a CUDA graph took 3.4x a warm step), and the next step
+    there replaces it instead of moving it by the EMA.
     """
 
     # How many times the expected seconds a step may take and still be believed.
@@ -186,6 +189,8 @@ class StepCostTable:
         # (shape, bs) pairs given or stepped, believed or not: a step at a pair not in it is
         # the first there.
         self._ran: set[tuple[Shape, int]] = set()
+        # Points set by the shape's first step at that batch size.
+        self._provisional: set[tuple[Shape, int]] = set()
         for shape, by_bs in points.items():
             if not by_bs or min(by_bs.values()) <= 0:
                 raise ValueError(f"step costs of {shape.label} must be positive")
@@ -212,7 +217,8 @@ class StepCostTable:
 
     def observe(self, shape: Shape, bs: int, seconds: float) -> None:
         """A measured step: the point at bs moves towards it (is set by the first, and
-        replaced where the two are over ONE_OFF_RATIO apart and the step is believed).
+        replaced by the second, and where the two are over ONE_OFF_RATIO apart and the step is
+        believed).
         """
         if not seconds > 0:  # a clock that did not advance measured nothing
             return
@@ -230,11 +236,22 @@ class StepCostTable:
         self._slow.pop(shape, None)
         by_bs = self._points.setdefault(shape, {})
         point = by_bs.get(bs)
-        # A believed slow streak, or a point far above this step (a one-off set it): replace.
-        if point is not None and not slow and seconds * self.ONE_OFF_RATIO >= point:
+        # Replace a point set by a first step, one far above this step (a one-off set it), or
+        # with a believed slow streak; otherwise the EMA smooths the shape's warm steps.
+        replace = (
+            point is None
+            or slow
+            or (shape, bs) in self._provisional
+            or seconds * self.ONE_OFF_RATIO < point
+        )
+        if not replace:
             a = self._ema_alpha
             seconds = (1 - a) * point + a * seconds
         self._set(shape, bs, seconds)
+        if first_at_bs:
+            self._provisional.add((shape, bs))
+        else:
+            self._provisional.discard((shape, bs))
         self._drop_one_offs(shape, bs)
 
     def _set(self, shape: Shape, bs: int, seconds: float) -> None:
