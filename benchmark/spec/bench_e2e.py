@@ -293,6 +293,7 @@ def measure(
     rows = []
     kwargs = engine_settings(target, draft, name, batch_sizes, attention_backend, mixed)
     with scoped_env(env), eng.engine(**kwargs) as e:
+        loads = [os.getloadavg()[0]]
         if mixed is not None:
             ramp = prompts(mixed.requests, vocab, seed=99)
             eng.ramp_generate(e, ramp, max_new_tokens, mixed.ramp_seconds)  # warm-up
@@ -327,6 +328,9 @@ def measure(
                     ),
                 }
             )
+        loads.append(os.getloadavg()[0])
+    for r in rows:
+        r["host_load"] = round(max(loads), 1)
     return rows
 
 
@@ -478,6 +482,9 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     print(identity_line(rows))
+    warning = host_load_line(rows, os.cpu_count() or 1)
+    if warning:
+        print(warning)
     print_pair_ratios(rows, "tree", "tree-v1", "tok_per_s", "tree v2 / v1 tok/s")
     if args.rounds > 1:
         spread = round_ratios(per_round, "tree", "tree-v1")
@@ -532,6 +539,21 @@ def identity_line(rows: list[dict]) -> str:
         )
     return "token identity: DIVERGED in " + ", ".join(
         f"{r['config']} bs {r['bs']} ({r['diverged']} requests)" for r in bad
+    )
+
+
+def host_load_line(rows: list[dict], cpus: int) -> Optional[str]:
+    """A warning when the host's 1-minute load average passed half its cores while a config
+    ran: host-bound engines (a small target, small batches) then lose up to half their speed
+    to other processes (a JIT compile, another GPU's benchmark), and the rows compare with
+    nothing."""
+    busy = {
+        r["config"]: r["host_load"] for r in rows if r.get("host_load", 0) > cpus / 2
+    }
+    if not busy:
+        return None
+    return f"host load: over {cpus / 2:g} (half of {cpus} cores) while " + ", ".join(
+        f"{config} ran ({load})" for config, load in busy.items()
     )
 
 

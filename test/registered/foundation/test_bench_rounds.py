@@ -282,3 +282,16 @@ def test_every_greedy_cell_is_checked_against_the_targets_table():
     assert bench_e2e.identity_line(rows) == (
         "token identity: DIVERGED in tree bs 2 (1 requests)"
     )
+
+
+def test_host_load_line_names_the_configs_that_ran_on_a_busy_host():
+    rows = [
+        {"config": "none", "bs": 1, "host_load": 3.0},
+        {"config": "chain", "bs": 1, "host_load": 40.5},
+        {"config": "chain", "bs": 4, "host_load": 40.5},
+        {"config": "tree", "bs": 1},  # rows of an older run: no load recorded
+    ]
+    assert bench_e2e.host_load_line(rows, cpus=64) == (
+        "host load: over 32 (half of 64 cores) while chain ran (40.5)"
+    )
+    assert bench_e2e.host_load_line(rows[:1], cpus=64) is None
