@@ -19,10 +19,22 @@ from sglang.srt.layers.attention import flashinfer_host_plans as plans
 
 
 class RecordingWrapper:
-    """Stands in for BatchPrefillWithPagedKVCacheWrapper: keeps what plan_fixed_width hands it."""
+    """Stands in for BatchPrefillWithPagedKVCacheWrapper: keeps what plan_fixed_width hands it,
+    and copies the planned KV index pointer and slots where FlashInfer's plan does: into the
+    CUDA graph's buffers (kv_indptr_buf, kv_indices_buf), or its own tensors when eager.
+    """
 
-    def __init__(self, cuda_graph: bool, mask_buf_bytes: int = 0, max_bs: int = 0):
+    def __init__(
+        self,
+        cuda_graph: bool,
+        mask_buf_bytes: int = 0,
+        max_bs: int = 0,
+        kv_indptr_buf=None,
+        kv_indices_buf=None,
+    ):
         self.is_cuda_graph_enabled = cuda_graph
+        self._paged_kv_indptr_buf = kv_indptr_buf
+        self._paged_kv_indices_buf = kv_indices_buf
         self._custom_mask_buf = (
             torch.full((mask_buf_bytes,), 255, dtype=torch.uint8)
             if cuda_graph
@@ -44,7 +56,13 @@ class RecordingWrapper:
             args=args,
             kwargs=kwargs,
         )
-        if not self.is_cuda_graph_enabled:
+        if self.is_cuda_graph_enabled:
+            if self._paged_kv_indptr_buf is not None:
+                self._paged_kv_indptr_buf.copy_(kv_indptr)
+                self._paged_kv_indices_buf[: len(kv_indices)].copy_(kv_indices)
+        else:
+            self._paged_kv_indptr_buf = kv_indptr.clone()  # .to(device): a new tensor
+            self._paged_kv_indices_buf = kv_indices  # already on the device: itself
             self._custom_mask_buf = None  # FlashInfer's plan without a mask clears it
 
 
@@ -311,3 +329,78 @@ def test_draft_decode_indptrs_equal_upstreams_for_real_requests():
     host = plans.draft_decode_indptrs(seq_lens, topk, num_steps)
     assert torch.equal(host[:, : real * topk + 1], upstream[:, : real * topk + 1])
     assert not torch.equal(host, upstream)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_a_plan_from_bounds_leaves_the_kernels_the_exact_lengths(cuda_graph):
+    """Spec v2 may plan from bounds on the host lengths (bounded_host_lens): FlashInfer's plan
+    sees the bounds, and what its kernels read, the KV index pointer and slots and the packed
+    mask with its index pointer, is what exact host lengths would have planned."""
+    bs, width = 4, 8
+    req_to_token, req_pool_indices, prefix = make_batch(bs, width, seed=21)
+    kv_lens = prefix + width
+    bounds = kv_lens + torch.tensor([0, 1, width, 2 * width])
+    mask = tree_mask(kv_lens, width, seed=22)
+    kv_indptr_buf = torch.full((bs + 1,), -1, dtype=torch.int32)
+    kv_indptr_buf[0] = 0  # as every backend allocates it
+    kv_indices_buf = torch.full((4096,), -1, dtype=torch.int32) if cuda_graph else None
+    wrapper = RecordingWrapper(
+        cuda_graph,
+        mask_buf_bytes=4096,
+        max_bs=bs,
+        kv_indptr_buf=kv_indptr_buf if cuda_graph else None,
+        kv_indices_buf=kv_indices_buf,
+    )
+    plans.plan_fixed_width(
+        wrapper,
+        HEADS,
+        width=width,
+        req_pool_indices=req_pool_indices,
+        kv_lens=kv_lens,
+        kv_lens_cpu=bounds,
+        req_to_token=req_to_token,
+        kv_indptr_buf=kv_indptr_buf,
+        kv_indices_buf=kv_indices_buf,
+        custom_mask=mask,
+        host_lens_are_bounds=True,
+    )
+    _, bounded_indptr, _ = reference_plan(req_to_token, req_pool_indices, bounds, width)
+    assert torch.equal(wrapper.planned.kv_indptr, bounded_indptr), "planned from bounds"
+    _, kv_indptr, kv_indices = reference_plan(
+        req_to_token, req_pool_indices, kv_lens, width
+    )
+    assert torch.equal(wrapper._paged_kv_indptr_buf, kv_indptr)
+    assert torch.equal(wrapper._paged_kv_indices_buf[: len(kv_indices)], kv_indices)
+    packed, packed_indptr = reference_packed(mask, kv_lens, width)
+    assert torch.equal(wrapper._mask_indptr_buf, packed_indptr)
+    assert torch.equal(wrapper._custom_mask_buf[: len(packed)], packed)
+
+
+def test_device_mask_indptrs_are_the_host_ones():
+    kv_lens = torch.tensor(
+        [1, 40, 8, 3, 700]
+    )  # the first and fourth lifted to the width
+    host = plans.fixed_width_indptrs(kv_lens, 8)
+    mask_indptr, packed_indptr = plans.device_mask_indptrs(kv_lens, 8)
+    assert mask_indptr.dtype == packed_indptr.dtype == torch.int32
+    assert torch.equal(mask_indptr, host.mask_indptr)
+    assert torch.equal(packed_indptr, host.packed_mask_indptr)
+
+
+def test_a_plan_from_bounds_refuses_kernels_that_read_lengths_from_the_plan():
+    wrapper = RecordingWrapper(cuda_graph=False)
+    wrapper._backend = "fa3"
+    req_to_token, req_pool_indices, prefix = make_batch(1, 4, seed=1)
+    with pytest.raises(ValueError, match="needs FlashInfer's fa2 kernels, not fa3"):
+        plans.plan_fixed_width(
+            wrapper,
+            HEADS,
+            width=4,
+            req_pool_indices=req_pool_indices,
+            kv_lens=prefix + 4,
+            kv_lens_cpu=prefix + 8,
+            req_to_token=req_to_token,
+            kv_indptr_buf=torch.zeros(2, dtype=torch.int32),
+            kv_indices_buf=None,
+            host_lens_are_bounds=True,
+        )

@@ -12,6 +12,7 @@ import torch
 
 from sglang.srt.speculative import bounded_host_lens as bhl
 from specpatch.testing import engine as eng
+from specpatch.testing.marks import FLASHINFER_SKIP
 
 
 def server(**overrides):
@@ -96,6 +97,41 @@ def test_on_unless_the_env_says_0(monkeypatch):
 )
 def test_servers_that_read_exact_host_lengths_keep_them(overrides, why):
     assert why in bhl.server_refusal(server(**overrides))
+
+
+def test_flashinfer_takes_bounds_only_when_asked(monkeypatch):
+    """FlashInfer plans from host lengths; its plan from bounds has not run on a GPU, so it
+    takes them only with the switch set to 1, never by default. fa3 never."""
+    monkeypatch.delenv(bhl.ENV, raising=False)
+    why = bhl.server_refusal(server(attention_backend="flashinfer"))
+    assert why and f"{bhl.ENV}=1" in why and "flashinfer" in why
+    monkeypatch.setenv(bhl.ENV, "1")
+    assert bhl.server_refusal(server(attention_backend="flashinfer")) is None
+    assert (
+        bhl.server_refusal(
+            server(
+                attention_backend="flashinfer",
+                speculative_draft_attention_backend="triton",
+            )
+        )
+        is None
+    )
+    assert "fa3" in bhl.server_refusal(server(decode_attention_backend="fa3"))
+    assert "page size 16" in bhl.server_refusal(
+        server(attention_backend="flashinfer", page_size=16)
+    )
+
+
+def test_may_issue_bounds_only_for_spec_v2(monkeypatch, enabled):
+    spec = dict(speculative_algorithm="EAGLE", disable_overlap_schedule=False)
+    assert bhl.may_issue_bounds(server(**spec))
+    assert not bhl.may_issue_bounds(server(**{**spec, "speculative_algorithm": None}))
+    assert not bhl.may_issue_bounds(
+        server(**{**spec, "disable_overlap_schedule": True})
+    )
+    assert not bhl.may_issue_bounds(server(**spec, page_size=16))
+    monkeypatch.setattr(bhl, "_ENABLED", False)
+    assert not bhl.may_issue_bounds(server(**spec))
 
 
 def test_triton_with_graphs_may_take_bounds(tmp_path):
@@ -261,6 +297,58 @@ def test_bounded_host_lengths_under_retraction_keep_identity_and_leak_nothing(
     monkeypatch.delenv(bhl.ENV, raising=False)
     target, draft = toy_pair
     eng.retraction_stress(target, draft, eng.SpecConfig(4, 3, 8), log_level="info")
+    text = "".join(capfd.readouterr())
+    assert bhl.BOUNDS_IN_USE in text, "bounds never applied"
+    retractions = text.count(eng.RETRACT_LOG_LINE)
+    record_metric("retraction_events", retractions)
+    assert retractions > 0, "the pool was large enough: the stress test did not retract"
+    eng.assert_no_leak_reported(text)
+
+
+@pytest.mark.gpu
+@FLASHINFER_SKIP
+@pytest.mark.parametrize(
+    "spec",
+    [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
+    ids=lambda s: s.label,
+)
+def test_flashinfer_plans_from_bounds_stay_token_identical(
+    small_pair, spec, monkeypatch, record_metric, capfd
+):
+    """FlashInfer with the switch set to 1: its plans from bounds (docs/flashinfer-overlap.md)
+    leave the kernels the exact lengths, at batch sizes that shrink as requests finish.
+    """
+    monkeypatch.setenv(bhl.ENV, "1")
+    target, draft = small_pair
+    accept = eng.spec_v2_identical_by_batch_size(
+        target,
+        draft,
+        spec,
+        (1, 4, 24),
+        seed=13,
+        log_level="info",
+        attention_backend="flashinfer",
+    )
+    record_metric("accept_length_by_bs", accept)
+    assert all(a > 1.0 for a in accept.values()), accept
+    assert bhl.BOUNDS_IN_USE in "".join(capfd.readouterr()), "bounds never applied"
+
+
+@pytest.mark.gpu
+@FLASHINFER_SKIP
+@pytest.mark.timeout(420)
+def test_flashinfer_plans_from_bounds_under_retraction_keep_identity_and_leak_nothing(
+    toy_pair, capfd, monkeypatch, record_metric
+):
+    monkeypatch.setenv(bhl.ENV, "1")
+    target, draft = toy_pair
+    eng.retraction_stress(
+        target,
+        draft,
+        eng.SpecConfig(4, 3, 8),
+        log_level="info",
+        attention_backend="flashinfer",
+    )
     text = "".join(capfd.readouterr())
     assert bhl.BOUNDS_IN_USE in text, "bounds never applied"
     retractions = text.count(eng.RETRACT_LOG_LINE)

@@ -60,6 +60,10 @@ NAMES = [
     "test_draft_decode_indptrs_match_the_kernel_and_its_slot_list[seq_lens1-2-5]",
     "test_draft_decode_indptrs_match_the_kernel_and_its_slot_list[seq_lens2-8-3]",
     "test_draft_decode_indptrs_equal_upstreams_for_real_requests",
+    "test_a_plan_from_bounds_leaves_the_kernels_the_exact_lengths[False]",
+    "test_a_plan_from_bounds_leaves_the_kernels_the_exact_lengths[True]",
+    "test_device_mask_indptrs_are_the_host_ones",
+    "test_a_plan_from_bounds_refuses_kernels_that_read_lengths_from_the_plan",
 ]
 # Upstream's create_flashinfer_kv_indices_triton bounds a loop by a one-element array, which the
 # interpreter runs with a warning (numpy < 2.5, as CI has) and numpy 2.5 refuses.

@@ -447,10 +447,10 @@ def spec_v2_identical_by_batch_size(
     max_new_tokens: int = 48,
     **engine_overrides,
 ) -> dict[int, float]:
-    """Start spec v2 on triton with CUDA graphs at `batch_sizes` (the caller sets any env
-    switch first: the engine's processes read it at start-up), check each batch's greedy
-    tokens against the target's table, and return the accept length by batch size.
-    engine_overrides: further engine_kwargs (e.g. log_level)."""
+    """Start spec v2 with CUDA graphs at `batch_sizes` (the caller sets any env switch first:
+    the engine's processes read it at start-up), check each batch's greedy tokens against the
+    target's table, and return the accept length by batch size. engine_overrides: further
+    engine_kwargs (e.g. log_level; attention_backend, triton unless given)."""
     from specpatch.testing import synth
 
     vocab = synth.load_meta(target)["spec"]["vocab"]
@@ -466,7 +466,9 @@ def spec_v2_identical_by_batch_size(
     )
     accept = {}
     with engine(**kwargs) as e:
-        assert e.server_args.attention_backend == "triton"
+        assert e.server_args.attention_backend == engine_overrides.get(
+            "attention_backend", "triton"
+        )
         assert e.server_args.disable_overlap_schedule is False
         for bs in batch_sizes:
             run = generate(e, prompts[:bs], max_new_tokens)

@@ -16,7 +16,8 @@ lengths stay exact; only the wait goes, replaced by a stream-side wait that keep
 schedule stream's later reads of them ordered after the verify.
 
 On by default (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=0 turns it off), and only where nothing reads
-the host lengths as exact: triton attention (target and draft) with CUDA graphs at page size 1,
+the host lengths as exact: triton attention (target and draft; FlashInfer too where
+SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1 asks for it) with CUDA graphs at page size 1,
 no two-batch overlap, DP attention or pipeline stages; and per step, a batch the graphs cover,
 with no logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never
 takes an eager path that builds per-request host lists from the lengths; the eager draft extend,
@@ -58,6 +59,14 @@ def requested_by_env(environ=os.environ) -> bool:
 
 
 _ENABLED = enabled_by_env()
+
+# Attention backends whose spec v2 decode metadata may be built from bounds: triton reads the
+# host lengths only as sizes. FlashInfer plans from them, and takes bounds only when the user
+# asks (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1): its plans then size the work from the bounds and
+# the lengths its kernels read are rewritten on the device (docs/flashinfer-overlap.md). That
+# path has not run on a GPU yet.
+BOUNDS_BACKENDS = frozenset({"triton"})
+BOUNDS_BACKENDS_ON_REQUEST = frozenset({"flashinfer"})
 # Set once this process has issued bounds: only then may an eager draft extend see them.
 _bounds_issued = False
 
@@ -69,8 +78,19 @@ def server_refusal(server_args) -> Optional[str]:
         getattr(server_args, "decode_attention_backend", None),
         getattr(server_args, "speculative_draft_attention_backend", None),
     } - {None}
-    if backends != {"triton"}:
-        return f"attention backends {sorted(backends)}: only triton plans from device lengths"
+    allowed = BOUNDS_BACKENDS | (
+        BOUNDS_BACKENDS_ON_REQUEST if requested_by_env() else frozenset()
+    )
+    if not backends <= allowed:
+        if backends <= BOUNDS_BACKENDS | BOUNDS_BACKENDS_ON_REQUEST:
+            return (
+                f"attention backends {sorted(backends)}: flashinfer plans from bounds only "
+                f"with {ENV}=1 (not yet run on a GPU)"
+            )
+        return (
+            f"attention backends {sorted(backends)}: only triton (and flashinfer with "
+            f"{ENV}=1) plan from bounds"
+        )
     if server_args.disable_cuda_graph:
         return "no CUDA graphs: eager metadata reads the host lengths"
     if getattr(server_args, "disable_cuda_graph_padding", False):
@@ -91,6 +111,17 @@ def server_refusal(server_args) -> Optional[str]:
             # the launched step and the one prepared; the shape policy reserves its largest.
             return "--speculative-adaptive without a shape policy"
     return None
+
+
+def may_issue_bounds(server_args) -> bool:
+    """Whether this server's spec v2 decode steps may carry bounds as host lengths: what an
+    attention backend that plans from host lengths must be ready for."""
+    return (
+        _ENABLED
+        and server_args.speculative_algorithm is not None
+        and not server_args.disable_overlap_schedule
+        and server_refusal(server_args) is None
+    )
 
 
 def graph_batch_limit(server_args) -> int:

@@ -19,6 +19,11 @@ the batch size alone, so CUDA graphs replay under them.
 The multi-step draft decode (draft_decode_indptrs, at the end) is planned from the same host
 lengths: each of a request's topk branches reads the request's prefix plus its own draft
 tokens so far, so its index pointers follow from seq_lens_cpu and the step alone.
+
+Where spec v2 may hand bounds as host lengths (speculative/bounded_host_lens.py, FlashInfer only
+on request), the plan sizes its work from the bounds and the lengths FlashInfer's fa2 kernels
+read (the KV and mask index pointers in device buffers) are the device's exact ones, written
+after the plan's copies: plan_fixed_width(host_lens_are_bounds=True), docs/flashinfer-overlap.md.
 """
 
 from __future__ import annotations
@@ -83,6 +88,23 @@ def fixed_width_indptrs(kv_lens_cpu: torch.Tensor, width: int) -> FixedWidthIndp
     )
 
 
+def device_mask_indptrs(
+    kv_lens: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([bs + 1], [bs + 1]) int32 on kv_lens' device: each request's tree-mask bits (width x its
+    KV rows, lifted as fixed_width_kv_lens does) and the same packed eight to a byte; what
+    fixed_width_indptrs computes on the host, from lengths that only the device knows exactly.
+    """
+    mask_bits = width * fixed_width_kv_lens(kv_lens, width).to(torch.int64)
+    indptrs = torch.zeros(
+        (2, kv_lens.shape[0] + 1), dtype=torch.int64, device=kv_lens.device
+    )
+    torch.cumsum(mask_bits, dim=0, out=indptrs[0, 1:])
+    torch.cumsum((mask_bits + 7) // 8, dim=0, out=indptrs[1, 1:])
+    indptrs = indptrs.to(torch.int32)
+    return indptrs[0], indptrs[1]
+
+
 def build_kv_indices(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -118,13 +140,15 @@ def pack_tree_mask(
     custom_mask: torch.Tensor,
     indptrs: FixedWidthIndptrs,
     packed_buf: Optional[torch.Tensor],
+    device_indptrs: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed mask [packed bytes] uint8, packed indptr [bs + 1] int32), both on the device.
 
     custom_mask: bool, each request's width x KV-rows bits one after another (FULL_MASK), at
     least as many as the real requests need; CUDA-graph padding requests, past its end, see
     everything. FlashInfer's segment_packbits reads the packed size back from the device;
-    here it is known on the host."""
+    here it is known on the host. device_indptrs: device_mask_indptrs of the exact lengths,
+    where indptrs were computed from bounds (which then only size the buffers)."""
     from flashinfer.quantization.packbits import get_quantization_module
 
     device = custom_mask.device
@@ -134,8 +158,11 @@ def pack_tree_mask(
     if mask.numel() < num_bits:
         pad = torch.ones(num_bits - mask.numel(), dtype=torch.bool, device=device)
         mask = torch.cat([mask, pad])
-    mask_indptr = indptrs.mask_indptr.to(device, non_blocking=True)
-    packed_indptr = indptrs.packed_mask_indptr.to(device, non_blocking=True)
+    if device_indptrs is None:
+        mask_indptr = indptrs.mask_indptr.to(device, non_blocking=True)
+        packed_indptr = indptrs.packed_mask_indptr.to(device, non_blocking=True)
+    else:
+        mask_indptr, packed_indptr = device_indptrs
     if packed_buf is None:
         packed = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     else:
@@ -316,36 +343,105 @@ def plan_fixed_width(
     kv_indptr_buf: torch.Tensor,
     kv_indices_buf: Optional[torch.Tensor],
     custom_mask: Optional[torch.Tensor] = None,
+    host_lens_are_bounds: bool = False,
 ) -> None:
     """Plan `wrapper` (a BatchPrefillWithPagedKVCacheWrapper over per-token KV slots) for
     `width` query rows per request. kv_lens [bs] (device) and kv_lens_cpu [bs] (host) hold the
-    same KV lengths, the query rows included. With custom_mask (a tree verify) attention
-    follows the mask, else it is causal. kv_indices_buf: the CUDA graph's slot buffer, or None
-    (eager)."""
+    same KV lengths, the query rows included, or with host_lens_are_bounds, kv_lens_cpu holds
+    an upper bound of each. With custom_mask (a tree verify) attention follows the mask, else
+    it is causal. kv_indices_buf: the CUDA graph's slot buffer, or None (eager)."""
     indptrs = fixed_width_indptrs(kv_lens_cpu, width)
-    kv_indices = build_kv_indices(
-        req_to_token,
-        req_pool_indices,
-        fixed_width_kv_lens(kv_lens, width),
-        int(indptrs.kv_indptr[-1]),
-        kv_indptr_buf,
-        kv_indices_buf,
-    )
-    plan_paged_prefill(wrapper, heads, indptrs, width, kv_indices)
+    device_kv_lens = fixed_width_kv_lens(kv_lens, width)
+    num_kv_rows = int(indptrs.kv_indptr[-1])
+    if not host_lens_are_bounds:
+        kv_indices = build_kv_indices(
+            req_to_token,
+            req_pool_indices,
+            device_kv_lens,
+            num_kv_rows,
+            kv_indptr_buf,
+            kv_indices_buf,
+        )
+        plan_paged_prefill(wrapper, heads, indptrs, width, kv_indices)
+    else:
+        _plan_from_bounds(
+            wrapper,
+            heads,
+            indptrs,
+            width,
+            req_pool_indices,
+            device_kv_lens,
+            req_to_token,
+            kv_indptr_buf,
+            kv_indices_buf,
+        )
     if custom_mask is None:
         return
     # Planned without the mask, which FlashInfer would pack after reading its size back from
     # the device; its run reads the packed mask from these two fields (in a CUDA graph, from
     # the buffers it was captured with).
+    device_indptrs = (
+        device_mask_indptrs(device_kv_lens, width) if host_lens_are_bounds else None
+    )
     if wrapper.is_cuda_graph_enabled:
         _, packed_indptr = pack_tree_mask(
-            custom_mask, indptrs, wrapper._custom_mask_buf
+            custom_mask, indptrs, wrapper._custom_mask_buf, device_indptrs
         )
         wrapper._mask_indptr_buf.copy_(packed_indptr)
     else:
         wrapper._custom_mask_buf, wrapper._mask_indptr_buf = pack_tree_mask(
-            custom_mask, indptrs, None
+            custom_mask, indptrs, None, device_indptrs
         )
+
+
+def _plan_from_bounds(
+    wrapper,
+    heads: HeadConfig,
+    indptrs: FixedWidthIndptrs,
+    width: int,
+    req_pool_indices: torch.Tensor,
+    device_kv_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    kv_indptr_buf: torch.Tensor,
+    kv_indices_buf: Optional[torch.Tensor],
+) -> None:
+    """plan_fixed_width's plan where indptrs come from bounds. FlashInfer's plan copies the
+    host KV index pointer into the buffer its kernels read each request's KV length from, and
+    the KV slots into theirs: plan first, then build the slot list and the exact index pointer
+    on the device into the same buffers (in a CUDA graph the wrapper's are kv_indptr_buf and
+    kv_indices_buf), so the device's values are what the kernels read. The bounds size the
+    work partition and the slot list's length only; a KV chunk past a request's real length
+    is empty, and fa2's paged prefill kernel clamps to it."""
+    backend = getattr(wrapper, "_backend", "fa2")
+    if backend != "fa2":
+        # sm90's kernels read each request's KV length from the plan, not the device.
+        raise ValueError(
+            f"a plan from bounds needs FlashInfer's fa2 kernels, not {backend}"
+        )
+    bs = device_kv_lens.shape[0]
+    num_kv_rows = int(indptrs.kv_indptr[-1])
+    if kv_indices_buf is None:
+        kv_indices = torch.empty(
+            num_kv_rows, dtype=torch.int32, device=device_kv_lens.device
+        )
+    else:
+        kv_indices = kv_indices_buf[:num_kv_rows]
+    plan_paged_prefill(wrapper, heads, indptrs, width, kv_indices)
+    build_kv_indices(
+        req_to_token,
+        req_pool_indices,
+        device_kv_lens,
+        num_kv_rows,
+        kv_indptr_buf,
+        kv_indices,
+    )
+    kv_indptr = kv_indptr_buf[: bs + 1]
+    planned_indptr = wrapper._paged_kv_indptr_buf
+    if planned_indptr.data_ptr() != kv_indptr.data_ptr():
+        planned_indptr[: bs + 1].copy_(kv_indptr)
+    planned_indices = wrapper._paged_kv_indices_buf
+    if planned_indices.data_ptr() != kv_indices.data_ptr():
+        planned_indices[: kv_indices.shape[0]].copy_(kv_indices)
 
 
 def draft_decode_branch_lens(seq_lens: torch.Tensor, topk: int) -> torch.Tensor:
