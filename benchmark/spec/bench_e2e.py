@@ -63,8 +63,11 @@ KERNEL_AB = {
     # upstream's exact host lengths, the host waiting for each verify (bounded_host_lens.py
     # makes them bounds by default);
     "exact-lens": {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "0"},
-    # upstream's copies of the extend's k and v (triton_extend_rows.py reads them in place).
+    # upstream's copies of the extend's k and v (triton_extend_rows.py reads them in place);
     "copy-kv": {"SGLANG_TRITON_EXTEND_ROWS_IN_PLACE": "0"},
+    # host lengths as bounds where a backend takes them only when asked (flashinfer:
+    # "tree-bounds@flashinfer"; on triton the same as the default).
+    "bounds": {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1"},
 }
 for _suffix, _env in KERNEL_AB.items():
     CONFIGS[f"chain-{_suffix}"] = (
