@@ -12,7 +12,7 @@ import torch
 
 from sglang.srt.speculative import bounded_host_lens as bhl
 from specpatch.testing import engine as eng
-from specpatch.testing.marks import FLASHINFER_SKIP
+from specpatch.testing.marks import FA3_SKIP, FLASHINFER_SKIP
 
 
 def server(**overrides):
@@ -99,12 +99,14 @@ def test_servers_that_read_exact_host_lengths_keep_them(overrides, why):
     assert why in bhl.server_refusal(server(**overrides))
 
 
-def test_flashinfer_takes_bounds_only_when_asked(monkeypatch):
-    """FlashInfer plans from host lengths; its plan from bounds has not run on a GPU, so it
-    takes them only with the switch set to 1, never by default. fa3 never."""
+def test_flashinfer_and_fa3_take_bounds_only_when_asked(monkeypatch):
+    """Neither has run with bounds on a GPU: they take them only with the switch set to 1,
+    never by default."""
     monkeypatch.delenv(bhl.ENV, raising=False)
     why = bhl.server_refusal(server(attention_backend="flashinfer"))
     assert why and f"{bhl.ENV}=1" in why and "flashinfer" in why
+    why = bhl.server_refusal(server(decode_attention_backend="fa3"))
+    assert why and f"{bhl.ENV}=1" in why and "fa3" in why
     monkeypatch.setenv(bhl.ENV, "1")
     assert bhl.server_refusal(server(attention_backend="flashinfer")) is None
     assert (
@@ -116,7 +118,10 @@ def test_flashinfer_takes_bounds_only_when_asked(monkeypatch):
         )
         is None
     )
-    assert "fa3" in bhl.server_refusal(server(decode_attention_backend="fa3"))
+    assert bhl.server_refusal(server(attention_backend="fa3")) is None
+    assert "torch_native" in bhl.server_refusal(
+        server(attention_backend="torch_native")
+    )
     assert "page size 16" in bhl.server_refusal(
         server(attention_backend="flashinfer", page_size=16)
     )
@@ -305,19 +310,25 @@ def test_bounded_host_lengths_under_retraction_keep_identity_and_leak_nothing(
     eng.assert_no_leak_reported(text)
 
 
+ON_REQUEST = [
+    pytest.param("flashinfer", marks=FLASHINFER_SKIP),
+    pytest.param("fa3", marks=FA3_SKIP),
+]
+
+
 @pytest.mark.gpu
-@FLASHINFER_SKIP
+@pytest.mark.parametrize("backend", ON_REQUEST)
 @pytest.mark.parametrize(
     "spec",
     [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
     ids=lambda s: s.label,
 )
-def test_flashinfer_plans_from_bounds_stay_token_identical(
-    small_pair, spec, monkeypatch, record_metric, capfd
+def test_bounds_on_request_stay_token_identical(
+    small_pair, spec, backend, monkeypatch, record_metric, capfd
 ):
-    """FlashInfer with the switch set to 1: its plans from bounds (docs/flashinfer-overlap.md)
-    leave the kernels the exact lengths, at batch sizes that shrink as requests finish.
-    """
+    """FlashInfer and FA3 with the switch set to 1: FlashInfer's plans from bounds
+    (docs/flashinfer-overlap.md) and FA3's page-table rows as wide as the bounds leave the
+    kernels the exact lengths, at batch sizes that shrink as requests finish."""
     monkeypatch.setenv(bhl.ENV, "1")
     target, draft = small_pair
     accept = eng.spec_v2_identical_by_batch_size(
@@ -327,7 +338,7 @@ def test_flashinfer_plans_from_bounds_stay_token_identical(
         (1, 4, 24),
         seed=13,
         log_level="info",
-        attention_backend="flashinfer",
+        attention_backend=backend,
     )
     record_metric("accept_length_by_bs", accept)
     assert all(a > 1.0 for a in accept.values()), accept
@@ -335,10 +346,10 @@ def test_flashinfer_plans_from_bounds_stay_token_identical(
 
 
 @pytest.mark.gpu
-@FLASHINFER_SKIP
+@pytest.mark.parametrize("backend", ON_REQUEST)
 @pytest.mark.timeout(420)
-def test_flashinfer_plans_from_bounds_under_retraction_keep_identity_and_leak_nothing(
-    toy_pair, capfd, monkeypatch, record_metric
+def test_bounds_on_request_under_retraction_keep_identity_and_leak_nothing(
+    toy_pair, backend, capfd, monkeypatch, record_metric
 ):
     monkeypatch.setenv(bhl.ENV, "1")
     target, draft = toy_pair
@@ -347,7 +358,7 @@ def test_flashinfer_plans_from_bounds_under_retraction_keep_identity_and_leak_no
         draft,
         eng.SpecConfig(4, 3, 8),
         log_level="info",
-        attention_backend="flashinfer",
+        attention_backend=backend,
     )
     text = "".join(capfd.readouterr())
     assert bhl.BOUNDS_IN_USE in text, "bounds never applied"

@@ -16,7 +16,7 @@ lengths stay exact; only the wait goes, replaced by a stream-side wait that keep
 schedule stream's later reads of them ordered after the verify.
 
 On by default (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=0 turns it off), and only where nothing reads
-the host lengths as exact: triton attention (target and draft; FlashInfer too where
+the host lengths as exact: triton attention (target and draft; FlashInfer and FA3 too where
 SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1 asks for it) with CUDA graphs at page size 1,
 no two-batch overlap, DP attention or pipeline stages; and per step, a batch the graphs cover,
 with no logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never
@@ -61,12 +61,13 @@ def requested_by_env(environ=os.environ) -> bool:
 _ENABLED = enabled_by_env()
 
 # Attention backends whose spec v2 decode metadata may be built from bounds: triton reads the
-# host lengths only as sizes. FlashInfer plans from them, and takes bounds only when the user
-# asks (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1): its plans then size the work from the bounds and
-# the lengths its kernels read are rewritten on the device (docs/flashinfer-overlap.md). That
-# path has not run on a GPU yet.
+# host lengths only as sizes. Two more take bounds only when the user asks
+# (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1), since neither has run so on a GPU yet: FlashInfer plans
+# from them, sizing the work from the bounds while the lengths its kernels read are rewritten
+# on the device (docs/flashinfer-overlap.md); FA3's graph replay reads them only as the width
+# of the page-table rows it copies (max_seq_len_k), the kernels reading the device lengths.
 BOUNDS_BACKENDS = frozenset({"triton"})
-BOUNDS_BACKENDS_ON_REQUEST = frozenset({"flashinfer"})
+BOUNDS_BACKENDS_ON_REQUEST = frozenset({"flashinfer", "fa3"})
 # Set once this process has issued bounds: only then may an eager draft extend see them.
 _bounds_issued = False
 
@@ -84,12 +85,13 @@ def server_refusal(server_args) -> Optional[str]:
     if not backends <= allowed:
         if backends <= BOUNDS_BACKENDS | BOUNDS_BACKENDS_ON_REQUEST:
             return (
-                f"attention backends {sorted(backends)}: flashinfer plans from bounds only "
-                f"with {ENV}=1 (not yet run on a GPU)"
+                f"attention backends {sorted(backends)}: "
+                f"{', '.join(sorted(backends - BOUNDS_BACKENDS))} take bounds only with "
+                f"{ENV}=1 (not yet run on a GPU)"
             )
         return (
-            f"attention backends {sorted(backends)}: only triton (and flashinfer with "
-            f"{ENV}=1) plan from bounds"
+            f"attention backends {sorted(backends)}: only triton (and flashinfer or fa3 "
+            f"with {ENV}=1) take bounds"
         )
     if server_args.disable_cuda_graph:
         return "no CUDA graphs: eager metadata reads the host lengths"
