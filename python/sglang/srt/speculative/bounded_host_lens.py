@@ -62,7 +62,7 @@ _ENABLED = enabled_by_env()
 
 # Attention backends whose spec v2 decode metadata may be built from bounds: triton reads the
 # host lengths only as sizes. Two more take bounds only when the user asks
-# (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1), since neither has run so on a GPU yet: FlashInfer plans
+# (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1), as neither has run with them on a GPU yet: FlashInfer plans
 # from them, sizing the work from the bounds while the lengths its kernels read are rewritten
 # on the device (docs/flashinfer-overlap.md); FA3's graph replay reads them only as the width
 # of the page-table rows it copies (max_seq_len_k), the kernels reading the device lengths.
