@@ -101,6 +101,7 @@ def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
         "kernel_us_by_launch_site_per_step": kernel_time_by_launch_site(
             events, num_steps, top
         ),
+        "kernel_us_by_site_per_step": kernel_time_by_site(events, num_steps),
         "python_us_per_step": python_frames(events, num_steps, 3 * top),
         "python_self_us_per_step": python_self_time(events, num_steps, 3 * top),
         # The scheduler thread alone (idle threads' waits would swamp a comparison), deeper
@@ -309,6 +310,25 @@ def kernel_time_by_launch_site(events: list, num_steps: int, top: int = 25) -> l
     ran inside a replayed CUDA graph. The kernel name is kept whole: the summary's other
     lists cut it to 90 characters, where templated torch kernels all look alike.
     """
+    return [
+        [name, op, site, round(us / num_steps, 1)]
+        for (name, op, site), us in _kernel_time(events).most_common(top)
+    ]
+
+
+def kernel_time_by_site(events: list, num_steps: int, top: int = 12) -> list:
+    """GPU kernel time per step by launch site alone, [site, us]: a step's phases (each
+    replayed graph, e.g. the draft decode, the verify and the draft extend, and the eager
+    work between them), which with the idle time add up to the step's GPU span."""
+    by_site = collections.Counter()
+    for (_, _, site), us in _kernel_time(events).items():
+        by_site[site] += us
+    return [[site, round(us / num_steps, 1)] for site, us in by_site.most_common(top)]
+
+
+def _kernel_time(events: list) -> collections.Counter:
+    """Kernel microseconds by (kernel name, torch op, launch site), as
+    kernel_time_by_launch_site describes them."""
     launches = launches_by_correlation(events)
     frames_by_tid, frame_starts = sglang_frames_by_thread(events)
     ops_by_tid, op_starts = events_by_thread(events, lambda e: e.get("cat") == "cpu_op")
@@ -326,10 +346,7 @@ def kernel_time_by_launch_site(events: list, num_steps: int, top: int = 25) -> l
             if call["name"] == "cudaGraphLaunch":
                 site = "graph: " + site
         by_site[(k["name"], op, site)] += k["dur"]
-    return [
-        [name, op, site, round(us / num_steps, 1)]
-        for (name, op, site), us in by_site.most_common(top)
-    ]
+    return by_site
 
 
 def engine_settings(target, draft, name: str, bs: int) -> dict:
@@ -457,6 +474,11 @@ def main() -> None:
         )
         print("  GPU idle us per step, by the launch that ended the gap:")
         for site, us in s["gpu_idle_by_launch_site_us_per_step"][:8]:
+            print(f"  {us:>8.1f}  {site}")
+        print(
+            "  kernel us per step, by launch site (graphs and the eager work between):"
+        )
+        for site, us in s["kernel_us_by_site_per_step"][:8]:
             print(f"  {us:>8.1f}  {site}")
         print("  kernel us per step, by torch op and launch site:")
         for kernel, op, site, us in s["kernel_us_by_launch_site_per_step"][:10]:

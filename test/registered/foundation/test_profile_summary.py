@@ -325,3 +325,9 @@ def test_kernel_time_is_charged_to_its_torch_op_and_launch_site():
         ["gemm", "", "graph: " + draft, 40.0],
         ["orphan", "", "?", 5.0],
     ]
+    # The same kernels by launch site alone: a step's phases.
+    assert profile_decode.kernel_time_by_site(events, num_steps=2) == [
+        ["srt/speculative/eagle_utils.py(9): cast_head <- " + draft, 75.0],
+        ["graph: " + draft, 40.0],
+        ["?", 5.0],
+    ]
