@@ -68,6 +68,13 @@ KERNEL_AB = {
     # host lengths as bounds where a backend takes them only when asked (flashinfer:
     # "tree-bounds@flashinfer"; on triton the same as the default).
     "bounds": {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1"},
+    # flashinfer's fixed-width graphs planned once, without split-KV (flashinfer_host_plans.py),
+    # alone and with bounds ("tree-unsplit-plan@flashinfer", "tree-bounds-unsplit@flashinfer").
+    "unsplit-plan": {"SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN": "1"},
+    "bounds-unsplit": {
+        "SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1",
+        "SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN": "1",
+    },
 }
 for _suffix, _env in KERNEL_AB.items():
     CONFIGS[f"chain-{_suffix}"] = (

@@ -366,3 +366,26 @@ def test_bounds_on_request_under_retraction_keep_identity_and_leak_nothing(
     record_metric("retraction_events", retractions)
     assert retractions > 0, "the pool was large enough: the stress test did not retract"
     eng.assert_no_leak_reported(text)
+
+
+@pytest.mark.gpu
+@FLASHINFER_SKIP
+@pytest.mark.parametrize("bounds", ["0", "1"])
+def test_flashinfer_unsplit_plans_stay_token_identical(
+    small_pair, bounds, monkeypatch, record_metric
+):
+    """SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN=1 (flashinfer_host_plans): each fixed-width graph
+    planned once without split-KV, with exact host lengths and with bounds."""
+    monkeypatch.setenv("SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN", "1")
+    monkeypatch.setenv(bhl.ENV, bounds)
+    target, draft = small_pair
+    accept = eng.spec_v2_identical_by_batch_size(
+        target,
+        draft,
+        eng.SpecConfig(16, 3, 32),
+        (1, 4, 24),
+        seed=17,
+        attention_backend="flashinfer",
+    )
+    record_metric("accept_length_by_bs", accept)
+    assert all(a > 1.0 for a in accept.values()), accept

@@ -259,3 +259,51 @@ def test_other_prefill_backends_keep_flashinfers_plan(cpu_flashinfer):
 
     assert not plans_from_host_lengths(make_prefill_wrapper("auto", False, 2, 64))
     assert not plans_from_host_lengths(make_prefill_wrapper("cudnn", False, 2, 64))
+
+
+@pytest.mark.parametrize(
+    "backend,cuda_graph", [("fa2", True), ("fa2", False), ("fa3", True)]
+)
+def test_an_unsplit_plan_is_made_once_per_graph_shape(
+    cpu_flashinfer, backend, cuda_graph
+):
+    """SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN: an fa2 CUDA-graph wrapper is planned without
+    split-KV on its first plan, and later plans of its shape only refresh the buffers its
+    kernels read; eager and fa3 wrappers plan every time."""
+    from sglang.srt.layers.attention.flashinfer_host_plans import (
+        HeadConfig,
+        plan_paged_prefill,
+    )
+
+    heads = HeadConfig(32, 8, 128, torch.bfloat16, torch.bfloat16)
+    bs, width = 4, 8
+    wrapper = make_prefill_wrapper(backend, cuda_graph, bs, kv_slots=bs * 800)
+    gen = torch.Generator().manual_seed(3)
+    for replay in range(3):
+        indptrs = fixed_width_indptrs(
+            torch.randint(1, 700, (bs,), generator=gen), width
+        )
+        kv_indices = torch.arange(int(indptrs.kv_indptr[-1]), dtype=torch.int32)
+        plan_paged_prefill(
+            wrapper, heads, indptrs, width, kv_indices, unsplit_once=True
+        )
+        if cuda_graph:
+            assert torch.equal(wrapper._paged_kv_indptr_buf, indptrs.kv_indptr)
+            assert torch.equal(
+                wrapper._paged_kv_indices_buf[: len(kv_indices)], kv_indices
+            )
+        else:
+            assert torch.equal(wrapper._paged_kv_indptr_buf, indptrs.kv_indptr)
+    once = backend == "fa2" and cuda_graph
+    assert len(cpu_flashinfer.planner.calls) == (1 if once else 3)
+    if backend == "fa2":
+        disable_split_kv = cpu_flashinfer.planner.calls[0][-2]
+        assert disable_split_kv is once
+
+
+def test_the_unsplit_plan_is_off_unless_the_env_says_1():
+    from sglang.srt.layers.attention import flashinfer_host_plans as plans
+
+    assert not plans.unsplit_plan_by_env({})
+    assert plans.unsplit_plan_by_env({"SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN": "1"})
+    assert not plans.unsplit_plan_by_env({"SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN": "0"})

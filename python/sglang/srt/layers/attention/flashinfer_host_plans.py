@@ -28,6 +28,7 @@ after the plan's copies: plan_fixed_width(host_lens_are_bounds=True), docs/flash
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +36,17 @@ import numpy as np
 import torch
 
 from sglang.srt.layers.attention.utils import create_flashinfer_kv_indices_triton
+
+
+def unsplit_plan_by_env(environ=os.environ) -> bool:
+    """SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN=1: plan each fixed-width CUDA graph once, without
+    split-KV (plan_paged_prefill's unsplit_once). An experiment for an A/B, off by default:
+    it saves the plan's host work on every replay and costs split-KV's parallelism at small
+    batch and long prefixes (docs/flashinfer-overlap.md); not yet run on a GPU."""
+    return environ.get("SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN", "0") == "1"
+
+
+_UNSPLIT_PLAN = unsplit_plan_by_env()
 
 
 @dataclass(frozen=True)
@@ -203,10 +215,16 @@ def plan_paged_prefill(
     indptrs: FixedWidthIndptrs,
     width: int,
     kv_indices: torch.Tensor,
+    unsplit_once: bool = False,
 ) -> None:
     """What wrapper.plan(qo_indptr, kv_indptr, kv_indices, ones, heads..., page_size=1,
     q_data_type, kv_data_type, non_blocking=True) does, with the host values it would derive
     already known.
+
+    unsplit_once (fa2 CUDA-graph wrappers): plan without split-KV, and only once per batch
+    size and width. Unsplit, FlashInfer's partition (PrefillSplitQOKVIndptr) does not depend on
+    the KV lengths, and each graph wrapper keeps its own int workspace, so later plans of the
+    same shape only refresh the buffers the captured kernels read.
 
     FlashInfer's plan re-derives each request's KV length from the index pointers (four torch
     ops) and takes the longest query and KV lengths with Python's max over a tensor, one torch
@@ -234,6 +252,12 @@ def plan_paged_prefill(
         return
     from flashinfer.prefill import get_batch_prefill_module
 
+    unsplit_once = (
+        unsplit_once and wrapper.is_cuda_graph_enabled and wrapper._backend == "fa2"
+    )
+    if unsplit_once and getattr(wrapper, "_unsplit_plan_shape", None) == (bs, width):
+        _refresh_graph_buffers(wrapper, indptrs, kv_indices, last_page_len)
+        return
     q_data_type, kv_data_type = heads.q_data_type, heads.kv_data_type
     wrapper._batch_size = bs
     wrapper._num_qo_heads = heads.num_qo_heads
@@ -263,14 +287,7 @@ def plan_paged_prefill(
             raise ValueError(
                 f"batch size {bs} is not the CUDA graph's {wrapper._fixed_batch_size}"
             )
-        if len(kv_indices) > len(wrapper._paged_kv_indices_buf):
-            raise ValueError("the KV slot list exceeds the CUDA graph's buffer")
-        wrapper._qo_indptr_buf.copy_(indptrs.qo_indptr, non_blocking=True)
-        wrapper._paged_kv_indptr_buf.copy_(indptrs.kv_indptr, non_blocking=True)
-        wrapper._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=True)
-        wrapper._paged_kv_indices_buf[: len(kv_indices)].copy_(
-            kv_indices, non_blocking=kv_indices.device == wrapper.device
-        )
+        _refresh_graph_buffers(wrapper, indptrs, kv_indices, last_page_len)
     else:
         device = wrapper.device
         wrapper._qo_indptr_buf = indptrs.qo_indptr.to(device, non_blocking=True)
@@ -317,8 +334,14 @@ def plan_paged_prefill(
         -1,  # window_left
     ]
     if wrapper._backend == "fa2":
-        args += [-1, False, 0]  # fixed split size, disable split-kv, colocated CTAs
+        args += [
+            -1,
+            unsplit_once,
+            0,
+        ]  # fixed split size, disable split-kv, colocated CTAs
     wrapper._plan_info = wrapper._cached_module.plan(*args)
+    if unsplit_once:
+        wrapper._unsplit_plan_shape = (bs, width)
     wrapper._causal = False
     wrapper._pos_encoding_mode = "NONE"
     wrapper._use_fp16_qk_reduction = False
@@ -329,6 +352,23 @@ def plan_paged_prefill(
     wrapper._rope_theta = None
     wrapper._seq_lens_kv = None
     wrapper._seq_lens_q = None
+
+
+def _refresh_graph_buffers(
+    wrapper,
+    indptrs: FixedWidthIndptrs,
+    kv_indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+) -> None:
+    """The copies a CUDA-graph wrapper's plan makes into the buffers its kernels read."""
+    if len(kv_indices) > len(wrapper._paged_kv_indices_buf):
+        raise ValueError("the KV slot list exceeds the CUDA graph's buffer")
+    wrapper._qo_indptr_buf.copy_(indptrs.qo_indptr, non_blocking=True)
+    wrapper._paged_kv_indptr_buf.copy_(indptrs.kv_indptr, non_blocking=True)
+    wrapper._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=True)
+    wrapper._paged_kv_indices_buf[: len(kv_indices)].copy_(
+        kv_indices, non_blocking=kv_indices.device == wrapper.device
+    )
 
 
 def plan_fixed_width(
@@ -362,7 +402,9 @@ def plan_fixed_width(
             kv_indptr_buf,
             kv_indices_buf,
         )
-        plan_paged_prefill(wrapper, heads, indptrs, width, kv_indices)
+        plan_paged_prefill(
+            wrapper, heads, indptrs, width, kv_indices, unsplit_once=_UNSPLIT_PLAN
+        )
     else:
         _plan_from_bounds(
             wrapper,
@@ -426,7 +468,9 @@ def _plan_from_bounds(
         )
     else:
         kv_indices = kv_indices_buf[:num_kv_rows]
-    plan_paged_prefill(wrapper, heads, indptrs, width, kv_indices)
+    plan_paged_prefill(
+        wrapper, heads, indptrs, width, kv_indices, unsplit_once=_UNSPLIT_PLAN
+    )
     build_kv_indices(
         req_to_token,
         req_pool_indices,
