@@ -145,19 +145,25 @@ def plan(
     kv_lens,
     kv_indices_buf=None,
     custom_mask=None,
+    bounds=None,
+    kv_indptr_buf=None,
 ):
-    """plan_fixed_width as the backend calls it: the same lengths on the device and the host."""
+    """plan_fixed_width as the backend calls it: the same lengths on the device and the host,
+    or with `bounds`, those on the host as bounds of the device's."""
+    if kv_indptr_buf is None:
+        kv_indptr_buf = torch.zeros(len(kv_lens) + 1, dtype=torch.int32)
     plans.plan_fixed_width(
         wrapper,
         HEADS,
         width=width,
         req_pool_indices=req_pool_indices,
         kv_lens=kv_lens,
-        kv_lens_cpu=kv_lens.clone(),
+        kv_lens_cpu=kv_lens.clone() if bounds is None else bounds,
         req_to_token=req_to_token,
-        kv_indptr_buf=torch.zeros(len(kv_lens) + 1, dtype=torch.int32),
+        kv_indptr_buf=kv_indptr_buf,
         kv_indices_buf=kv_indices_buf,
         custom_mask=custom_mask,
+        host_lens_are_bounds=bounds is not None,
     )
 
 
@@ -351,18 +357,16 @@ def test_a_plan_from_bounds_leaves_the_kernels_the_exact_lengths(cuda_graph):
         kv_indptr_buf=kv_indptr_buf if cuda_graph else None,
         kv_indices_buf=kv_indices_buf,
     )
-    plans.plan_fixed_width(
+    plan(
         wrapper,
-        HEADS,
-        width=width,
-        req_pool_indices=req_pool_indices,
-        kv_lens=kv_lens,
-        kv_lens_cpu=bounds,
-        req_to_token=req_to_token,
+        width,
+        req_to_token,
+        req_pool_indices,
+        kv_lens,
+        kv_indices_buf,
+        mask,
+        bounds=bounds,
         kv_indptr_buf=kv_indptr_buf,
-        kv_indices_buf=kv_indices_buf,
-        custom_mask=mask,
-        host_lens_are_bounds=True,
     )
     _, bounded_indptr, _ = reference_plan(req_to_token, req_pool_indices, bounds, width)
     assert torch.equal(wrapper.planned.kv_indptr, bounded_indptr), "planned from bounds"
@@ -392,15 +396,4 @@ def test_a_plan_from_bounds_refuses_kernels_that_read_lengths_from_the_plan():
     wrapper._backend = "fa3"
     req_to_token, req_pool_indices, prefix = make_batch(1, 4, seed=1)
     with pytest.raises(ValueError, match="needs FlashInfer's fa2 kernels, not fa3"):
-        plans.plan_fixed_width(
-            wrapper,
-            HEADS,
-            width=4,
-            req_pool_indices=req_pool_indices,
-            kv_lens=prefix + 4,
-            kv_lens_cpu=prefix + 8,
-            req_to_token=req_to_token,
-            kv_indptr_buf=torch.zeros(2, dtype=torch.int32),
-            kv_indices_buf=None,
-            host_lens_are_bounds=True,
-        )
+        plan(wrapper, 4, req_to_token, req_pool_indices, prefix + 4, bounds=prefix + 8)

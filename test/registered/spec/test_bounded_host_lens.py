@@ -269,74 +269,46 @@ def test_the_eager_draft_extend_reads_prefix_lengths_from_the_device(
 
 # ----------------------------------------------------------------------------- on a GPU
 
+# Triton takes bounds by default; flashinfer and fa3 only with the switch set to 1.
+BACKENDS = [
+    "triton",
+    pytest.param("flashinfer", marks=FLASHINFER_SKIP),
+    pytest.param("fa3", marks=FA3_SKIP),
+]
+
+
+def ask_for_bounds(monkeypatch, backend: str) -> None:
+    """The switch as a user of `backend` gets bounds: unset (the default) on triton, 1 on the
+    backends that take them only on request (the engine's processes read it at start-up).
+    """
+    if backend in bhl.BOUNDS_BACKENDS:
+        monkeypatch.delenv(bhl.ENV, raising=False)
+    else:
+        monkeypatch.setenv(bhl.ENV, "1")
+
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "spec",
     [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
     ids=lambda s: s.label,
 )
 def test_servers_with_bounded_host_lengths_stay_token_identical(
-    small_pair, spec, monkeypatch, record_metric, capfd
-):
-    """Spec v2 on triton with CUDA graphs and the bounds on by default (the engine's processes
-    read the variable at start-up), batches that shrink as requests finish: identical to the
-    table."""
-    monkeypatch.delenv(bhl.ENV, raising=False)
-    target, draft = small_pair
-    accept = eng.spec_v2_identical_by_batch_size(
-        target, draft, spec, (1, 4, 24), seed=11, log_level="info"
-    )
-    record_metric("accept_length_by_bs", accept)
-    assert all(a > 1.0 for a in accept.values()), accept
-    assert bhl.BOUNDS_IN_USE in "".join(capfd.readouterr()), "bounds never applied"
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(420)
-def test_bounded_host_lengths_under_retraction_keep_identity_and_leak_nothing(
-    toy_pair, capfd, monkeypatch, record_metric
-):
-    """256 concurrent requests on a KV pool that holds a fraction of them: retraction,
-    filter and merge all run on batches whose host lengths are bounds."""
-    monkeypatch.delenv(bhl.ENV, raising=False)
-    target, draft = toy_pair
-    eng.retraction_stress(target, draft, eng.SpecConfig(4, 3, 8), log_level="info")
-    text = "".join(capfd.readouterr())
-    assert bhl.BOUNDS_IN_USE in text, "bounds never applied"
-    retractions = text.count(eng.RETRACT_LOG_LINE)
-    record_metric("retraction_events", retractions)
-    assert retractions > 0, "the pool was large enough: the stress test did not retract"
-    eng.assert_no_leak_reported(text)
-
-
-ON_REQUEST = [
-    pytest.param("flashinfer", marks=FLASHINFER_SKIP),
-    pytest.param("fa3", marks=FA3_SKIP),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ON_REQUEST)
-@pytest.mark.parametrize(
-    "spec",
-    [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
-    ids=lambda s: s.label,
-)
-def test_bounds_on_request_stay_token_identical(
     small_pair, spec, backend, monkeypatch, record_metric, capfd
 ):
-    """FlashInfer and FA3 with the switch set to 1: FlashInfer's plans from bounds
-    (docs/flashinfer-overlap.md) and FA3's page-table rows as wide as the bounds leave the
-    kernels the exact lengths, at batch sizes that shrink as requests finish."""
-    monkeypatch.setenv(bhl.ENV, "1")
+    """Spec v2 with CUDA graphs and host lengths as bounds, batches that shrink as requests
+    finish: identical to the table. Triton reads the bounds as sizes, FlashInfer plans from
+    them with the kernels' lengths rewritten on the device (docs/flashinfer-overlap.md), FA3
+    copies page-table rows as wide as them."""
+    ask_for_bounds(monkeypatch, backend)
     target, draft = small_pair
     accept = eng.spec_v2_identical_by_batch_size(
         target,
         draft,
         spec,
         (1, 4, 24),
-        seed=13,
+        seed=11,
         log_level="info",
         attention_backend=backend,
     )
@@ -346,12 +318,14 @@ def test_bounds_on_request_stay_token_identical(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ON_REQUEST)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.timeout(420)
-def test_bounds_on_request_under_retraction_keep_identity_and_leak_nothing(
+def test_bounded_host_lengths_under_retraction_keep_identity_and_leak_nothing(
     toy_pair, backend, capfd, monkeypatch, record_metric
 ):
-    monkeypatch.setenv(bhl.ENV, "1")
+    """256 concurrent requests on a KV pool that holds a fraction of them: retraction,
+    filter and merge all run on batches whose host lengths are bounds."""
+    ask_for_bounds(monkeypatch, backend)
     target, draft = toy_pair
     eng.retraction_stress(
         target,
