@@ -167,7 +167,11 @@ def test_mission_command_runs_spec_v2_trees_on_default_flags(
     """`launch_server --speculative-algorithm EAGLE --speculative-eagle-topk 16 --page-size 1`
     as users write it: no steps, no draft-token count, no attention backend. Besides the model
     paths it passes what the synthetic pair and the GPU bundle need: no tokenizer files, a KV
-    pool sized for a tiny model, the bundle's sampling and grammar backends."""
+    pool sized for a tiny model, the bundle's sampling and grammar backends. sglang picks
+    flashinfer for it; on Hopper the tree gets triton instead (default_tree_attention_backend).
+    """
+    from sglang.srt.utils import is_hopper_with_cuda_12_3
+
     target, draft = toy_pair
     flags = dict(
         model_path=str(target),
@@ -190,6 +194,9 @@ def test_mission_command_runs_spec_v2_trees_on_default_flags(
         )
         assert shape == (16, 3, 32)
         record_metric("attention_backend", info["attention_backend"])
+        assert info["attention_backend"] == (
+            "triton" if is_hopper_with_cuda_12_3() else "flashinfer"
+        )
         batch = prompts[:8]
         outs = generate_over_http(base, batch, 64)
         # The README's curl, as a newcomer pastes it (the server answers 400 without the

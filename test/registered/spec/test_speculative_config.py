@@ -538,6 +538,199 @@ def test_paged_tree_with_a_triton_draft_backend_on_spec_v1_is_refused(pair):
         )
 
 
+# ----------------------------------------------------------------------------- default backend
+
+MAMBA_TARGET = SimpleNamespace(layers_block_type=["attention", "mamba"])
+
+
+def _default_backend_args(**overrides):
+    """The mission command's flags as _handle_attention_backend_compatibility sees them: no
+    backend named, shape flags as given (topk 16 alone)."""
+    return _hook_args(
+        **{
+            "attention_backend": None,
+            "speculative_eagle_topk": 16,
+            "speculative_num_steps": None,
+            "speculative_num_draft_tokens": None,
+            **overrides,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides,default,hf_config,env,on_hopper,expected",
+    [
+        ({}, "flashinfer", SimpleNamespace(), True, True, "triton"),
+        (
+            dict(speculative_algorithm="EAGLE3"),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "triton",
+        ),
+        # Not measured off Hopper: sglang's pick stays.
+        ({}, "flashinfer", SimpleNamespace(), True, False, "flashinfer"),
+        # sglang's pick is not flashinfer (topk 1 on Hopper: fa3; attention sinks: triton).
+        ({}, "fa3", SimpleNamespace(), True, True, "fa3"),
+        (
+            dict(speculative_eagle_topk=1),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "flashinfer",
+        ),
+        # Partial shape without topk: completed later, sglang's pick stays.
+        (
+            dict(speculative_eagle_topk=None, speculative_num_draft_tokens=32),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "flashinfer",
+        ),
+        (
+            dict(speculative_algorithm="STANDALONE"),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "flashinfer",
+        ),
+        # A backend named for any phase or for the draft is the user's choice.
+        (
+            dict(decode_attention_backend="flashinfer"),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "flashinfer",
+        ),
+        (
+            dict(prefill_attention_backend="fa3"),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "flashinfer",
+        ),
+        (
+            dict(speculative_draft_attention_backend="flashinfer"),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "flashinfer",
+        ),
+        # Trees that will run spec v1 anyway keep flashinfer (whose v1 trees are right).
+        (
+            dict(disable_overlap_schedule=True),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "flashinfer",
+        ),
+        ({}, "flashinfer", SimpleNamespace(), False, True, "flashinfer"),
+        (
+            dict(enable_multi_layer_eagle=True),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "flashinfer",
+        ),
+        ({}, "flashinfer", MAMBA_TARGET, True, True, "flashinfer"),
+    ],
+    ids=[
+        "mission-command",
+        "eagle3",
+        "not-hopper",
+        "sglang-picked-fa3",
+        "chain",
+        "topk-unset",
+        "standalone",
+        "decode-backend-named",
+        "prefill-backend-named",
+        "draft-backend-named",
+        "overlap-disabled",
+        "spec-v2-env-off",
+        "multi-layer",
+        "recurrent-target",
+    ],
+)
+def test_default_tree_attention_backend_table(
+    overrides, default, hf_config, env, on_hopper, expected, caplog
+):
+    with caplog.at_level(logging.INFO):
+        got = hook.default_tree_attention_backend(
+            _default_backend_args(**overrides),
+            default,
+            hf_config,
+            spec_v2_env_enabled=env,
+            on_hopper=on_hopper,
+        )
+    assert got == expected
+    said = [r.getMessage() for r in caplog.records if "instead of" in r.getMessage()]
+    if expected == default:
+        assert said == []
+    else:
+        assert said == [
+            "Spec v2 tree drafting (--speculative-eagle-topk 16) on Hopper uses the triton "
+            "attention backend instead of flashinfer: faster at every batch size measured; "
+            "pass --attention-backend flashinfer to keep it."
+        ]
+
+
+@pytest.fixture
+def hopper_with_flashinfer(monkeypatch):
+    """sglang's default-backend inputs as on an H100 with flashinfer installed."""
+    import sglang.srt.server_args as upstream
+
+    monkeypatch.setattr(upstream, "is_hopper_with_cuda_12_3", lambda: True)
+    monkeypatch.setattr(upstream, "is_flashinfer_available", lambda: True)
+
+
+def test_mission_command_gets_triton_spec_v2_trees_on_hopper(
+    pair, hopper_with_flashinfer
+):
+    # GPU: test_eagle_engine_gpu.py::test_mission_command_runs_spec_v2_trees_on_default_flags
+    args = server_args(
+        pair, attention_backend=None, speculative_eagle_topk=16, page_size=1
+    )
+    assert args.attention_backend == "triton"
+    assert args.disable_overlap_schedule is False
+    shape = (
+        args.speculative_eagle_topk,
+        args.speculative_num_steps,
+        args.speculative_num_draft_tokens,
+    )
+    assert shape == (16, 3, 32)
+
+
+@pytest.mark.parametrize(
+    "flags,backend,spec_v2",
+    [
+        # The user's backend stays, on spec v2.
+        (dict(attention_backend="flashinfer"), "flashinfer", True),
+        # sglang's pick for a chain on Hopper is untouched.
+        (dict(speculative_eagle_topk=1), "fa3", True),
+        # A tree on spec v1 keeps sglang's flashinfer.
+        (dict(disable_overlap_schedule=True), "flashinfer", False),
+    ],
+    ids=["named-flashinfer", "chain-fa3", "spec-v1-tree"],
+)
+def test_other_hopper_servers_keep_their_backend(
+    pair, hopper_with_flashinfer, flags, backend, spec_v2
+):
+    args = server_args(
+        pair, **{"attention_backend": None, "speculative_eagle_topk": 16, **flags}
+    )
+    assert args.attention_backend == backend
+    assert args.disable_overlap_schedule is (not spec_v2)
+
+
 # ----------------------------------------------------------------------------- shape completion
 
 TOPK, STEPS, TOKENS = (

@@ -31,6 +31,11 @@ The decisions, in order:
 4. A multi-layer EAGLE draft whose MTP layers attend in a sliding window (Step-3.5, MiMo-V2)
    cannot draft-extend on the triton backend except eagerly on spec v2
    (check_sliding_window_draft_extend): a ValueError naming the flags otherwise.
+
+Earlier, where sglang picks the attention backend the user left unset
+(_handle_attention_backend_compatibility), `default_tree_attention_backend` turns its pick for
+a tree (flashinfer, on Hopper too) into triton when the tree will run spec v2: see
+TREE_DEFAULT_ATTENTION_BACKEND.
 """
 
 from __future__ import annotations
@@ -55,6 +60,14 @@ logger = logging.getLogger(__name__)
 # batches get metadata on each of the three (the *-idle-speculative-metadata patches), so DP
 # attention changes nothing here: its trees run spec v2 on all three.
 SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer", "fa3"})
+
+# The backend a spec-v2 tree gets on Hopper when the user names none, instead of sglang's
+# flashinfer: triton's spec-v2 trees ran faster than flashinfer's at every batch size measured on
+# H100s (docs/benchmarks.md, "FlashInfer spec v2 trees"). FlashInfer plans each verify and draft
+# extend on the host from exact lengths, so its step waits for the previous verify and pays the
+# plan (docs/flashinfer-overlap.md); triton builds the same metadata on the device. Other GPUs
+# keep sglang's choice until they are measured.
+TREE_DEFAULT_ATTENTION_BACKEND = "triton"
 
 # Backends whose MLA targets keep trees on spec v1, and why: "flashinfer" names another class
 # there, and fa3's MLA kernels have not run a spec-v2 tree on a GPU.
@@ -747,3 +760,55 @@ def handle_eagle_family(
             server_args.speculative_algorithm.lower(),
             version.spec_v1_reason or "the overlap scheduler is disabled",
         )
+
+
+def default_tree_attention_backend(
+    server_args: ServerArgs,
+    default_backend: str,
+    hf_config,
+    *,
+    spec_v2_env_enabled: bool,
+    on_hopper: bool,
+) -> str:
+    """The attention backend for a server whose user named none: `default_backend` (sglang's
+    pick) unless it is flashinfer for an EAGLE-family tree on Hopper that will run spec v2 on
+    TREE_DEFAULT_ATTENTION_BACKEND, which it then is (one info line says so and how to keep
+    flashinfer). The shape flags must name the topk: a partial shape is completed later.
+    """
+    topk = server_args.speculative_eagle_topk
+    named = (
+        server_args.prefill_attention_backend,
+        server_args.decode_attention_backend,
+        server_args.speculative_draft_attention_backend,
+    )
+    if (
+        default_backend != "flashinfer"
+        or not on_hopper
+        or server_args.speculative_algorithm not in ("EAGLE", "EAGLE3")
+        or topk is None
+        or topk <= 1
+        or any(b is not None for b in named)
+    ):
+        return default_backend
+    version = choose_spec_version(
+        topk=topk,
+        overlap_disabled=server_args.disable_overlap_schedule,
+        spec_v2_env_enabled=spec_v2_env_enabled,
+        multi_layer=server_args.enable_multi_layer_eagle,
+        recurrent_reason=recurrent_layer_reason(hf_config),
+        attention_backends={TREE_DEFAULT_ATTENTION_BACKEND},
+        # sglang picks flashinfer on Hopper for MHA targets only (fa3 for MLA).
+        mla_target=False,
+    )
+    if not version.use_spec_v2:
+        return default_backend
+    logger.info(
+        "Spec v2 tree drafting (--speculative-eagle-topk %d) on Hopper uses the %s attention "
+        "backend instead of %s: faster at every batch size measured; pass "
+        "--attention-backend %s to keep it.",
+        topk,
+        TREE_DEFAULT_ATTENTION_BACKEND,
+        default_backend,
+        default_backend,
+    )
+    return TREE_DEFAULT_ATTENTION_BACKEND
