@@ -62,11 +62,11 @@ logger = logging.getLogger(__name__)
 SPEC_V2_TREE_ATTENTION_BACKENDS = frozenset({"triton", "flashinfer", "fa3"})
 
 # The backend a spec-v2 tree gets on Hopper when the user names none, instead of sglang's
-# flashinfer: triton's spec-v2 trees ran faster than flashinfer's at every batch size measured on
-# H100s (docs/benchmarks.md, "FlashInfer spec v2 trees"). FlashInfer plans each verify and draft
-# extend on the host from exact lengths, so its step waits for the previous verify and pays the
-# plan (docs/flashinfer-overlap.md); triton builds the same metadata on the device. Other GPUs
-# keep sglang's choice until they are measured.
+# flashinfer: triton's spec-v2 trees ran as fast or faster at every batch size measured on H100s,
+# well ahead where the host bounds the step (docs/benchmarks.md, "Spec v2 trees on FlashInfer").
+# FlashInfer plans each verify and draft extend on the host from exact lengths, so its step waits
+# for the previous verify and pays the plan (docs/flashinfer-overlap.md); triton builds the same
+# metadata on the device. Other GPUs keep sglang's choice until they are measured.
 TREE_DEFAULT_ATTENTION_BACKEND = "triton"
 
 # Backends whose MLA targets keep trees on spec v1, and why: "flashinfer" names another class
@@ -804,7 +804,7 @@ def default_tree_attention_backend(
         return default_backend
     logger.info(
         "Spec v2 tree drafting (--speculative-eagle-topk %d) on Hopper uses the %s attention "
-        "backend instead of %s: faster at every batch size measured; pass "
+        "backend instead of %s: as fast or faster at every batch size measured; pass "
         "--attention-backend %s to keep it.",
         topk,
         TREE_DEFAULT_ATTENTION_BACKEND,
