@@ -315,6 +315,79 @@ def test_draft_decode_indptrs_match_the_kernel_and_its_slot_list(
             assert torch.equal(got, expected.to(torch.int32)), (step, z)
 
 
+class RecordingStepBackend:
+    """Stands in for one draft step's FlashInferAttnBackend: counts its replay plans."""
+
+    def __init__(self):
+        self.replays = []
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, *args, **kwargs):
+        self.replays.append(bs)
+
+
+@pytest.mark.parametrize("planned_at_capture_only", [False, True])
+def test_a_draft_decode_planned_at_capture_replays_without_plans(
+    planned_at_capture_only,
+):
+    """FlashInferMultiStepDraftBackend's graph replay: planned at capture only, it lays out the
+    KV slots and index pointers the captured kernels read and plans no step; otherwise every
+    step but the last plans once."""
+    from sglang.srt.layers.attention.flashinfer_backend import (
+        FlashInferMultiStepDraftBackend,
+    )
+    from sglang.srt.speculative.spec_utils import generate_draft_decode_kv_indices
+
+    seq_lens, topk, num_steps = torch.tensor([7, 12]), 4, 3
+    num_seqs = seq_lens.shape[0]
+    gen = torch.Generator().manual_seed(7)
+    req_to_token = (
+        torch.randperm(num_seqs * POOL_LEN, generator=gen)
+        .to(torch.int32)
+        .view(num_seqs, POOL_LEN)
+    )
+    req_pool_indices = torch.tensor([1, 0])
+    backend = object.__new__(FlashInferMultiStepDraftBackend)
+    backend.topk = topk
+    backend.speculative_num_steps = num_steps
+    backend.generate_draft_decode_kv_indices = generate_draft_decode_kv_indices
+    backend.page_size = 1
+    backend.pool_len = POOL_LEN
+    backend.kv_indptr = torch.zeros((num_steps, num_seqs * topk + 1), dtype=torch.int32)
+    backend.cuda_graph_kv_indices = torch.full(
+        (num_steps, num_seqs * topk * POOL_LEN), -1, dtype=torch.int32
+    )
+    backend.attn_backends = [RecordingStepBackend() for _ in range(num_steps - 1)]
+    backend.planned_at_capture_only = planned_at_capture_only
+    forward_batch = SimpleNamespace(
+        batch_size=num_seqs,
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens.clone(),
+        seq_lens_sum=int(seq_lens.sum()),
+        positions=torch.zeros(num_seqs * topk, dtype=torch.int64),
+        req_pool_indices=req_pool_indices,
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        spec_info=SimpleNamespace(
+            is_draft_input=lambda: True, kv_indptr=None, kv_indices=None
+        ),
+    )
+
+    backend.init_forward_metadata_replay_cuda_graph(forward_batch, num_seqs)
+
+    expected_plans = [] if planned_at_capture_only else [num_seqs]
+    assert [b.replays for b in backend.attn_backends] == [expected_plans] * (
+        num_steps - 1
+    )
+    host = plans.draft_decode_indptrs(seq_lens, topk, num_steps)
+    assert torch.equal(backend.kv_indptr, host)
+    for step in range(num_steps):
+        reads = reference_draft_decode_reads(
+            req_to_token, req_pool_indices, seq_lens, topk, num_steps, step
+        )
+        for z, expected in enumerate(reads):
+            got = backend.cuda_graph_kv_indices[step, host[step, z] : host[step, z + 1]]
+            assert torch.equal(got, expected.to(torch.int32)), (step, z)
+
+
 def test_draft_decode_indptrs_equal_upstreams_for_real_requests():
     """Upstream passes the positions (a request's seq_len per branch, zero for CUDA-graph
     padding): the pointers of real requests are the same, the padding's differ."""

@@ -344,14 +344,22 @@ def test_bounded_host_lengths_under_retraction_keep_identity_and_leak_nothing(
 
 @pytest.mark.gpu
 @FLASHINFER_SKIP
-@pytest.mark.parametrize("bounds", ["0", "1"])
+@pytest.mark.parametrize(
+    "bounds,tensor_cores",
+    [("0", None), ("0", "true"), ("1", None)],
+    ids=["exact", "exact-tensor-cores", "bounds"],
+)
 def test_flashinfer_unsplit_plans_stay_token_identical(
-    small_pair, bounds, monkeypatch, record_metric
+    small_pair, bounds, tensor_cores, monkeypatch, record_metric
 ):
     """SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN=1 (flashinfer_host_plans): each fixed-width graph
-    planned once without split-KV, with exact host lengths and with bounds."""
+    planned once without split-KV, with exact host lengths and with bounds. The small pair's
+    GQA group of 2 decodes off tensor cores unless told otherwise or given bounds; on them the
+    draft decode is planned at capture only (draft_decode_planned_at_capture_only)."""
     monkeypatch.setenv("SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN", "1")
     monkeypatch.setenv(bhl.ENV, bounds)
+    if tensor_cores is not None:
+        monkeypatch.setenv("SGLANG_FLASHINFER_USE_TENSOR_CORE", tensor_cores)
     target, draft = small_pair
     accept = eng.spec_v2_identical_by_batch_size(
         target,

@@ -60,6 +60,8 @@ NAMES = [
     "test_draft_decode_indptrs_match_the_kernel_and_its_slot_list[seq_lens1-2-5]",
     "test_draft_decode_indptrs_match_the_kernel_and_its_slot_list[seq_lens2-8-3]",
     "test_draft_decode_indptrs_equal_upstreams_for_real_requests",
+    "test_a_draft_decode_planned_at_capture_replays_without_plans[False]",
+    "test_a_draft_decode_planned_at_capture_replays_without_plans[True]",
     "test_a_plan_from_bounds_leaves_the_kernels_the_exact_lengths[False]",
     "test_a_plan_from_bounds_leaves_the_kernels_the_exact_lengths[True]",
     "test_device_mask_indptrs_are_the_host_ones",
@@ -307,3 +309,30 @@ def test_the_unsplit_plan_is_off_unless_the_env_says_1():
     assert not plans.unsplit_plan_by_env({})
     assert plans.unsplit_plan_by_env({"SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN": "1"})
     assert not plans.unsplit_plan_by_env({"SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN": "0"})
+
+
+@pytest.mark.parametrize(
+    "unsplit_plan,tensor_cores,planned_at_capture_only",
+    [
+        (True, [True, True], True),
+        (True, [True, False], False),
+        (False, [True, True], False),
+        (True, [], True),  # one draft step: no step backend to plan
+    ],
+)
+def test_the_draft_decode_is_planned_at_capture_only_on_tensor_cores_when_unsplit(
+    unsplit_plan, tensor_cores, planned_at_capture_only
+):
+    """Only FlashInfer's tensor-core decode plan takes disable_split_kv, so only that decode,
+    planned unsplit at capture, may replay without a plan."""
+    from sglang.srt.layers.attention.flashinfer_host_plans import (
+        draft_decode_planned_at_capture_only,
+    )
+
+    steps = [
+        SimpleNamespace(decode_use_tensor_cores=tc, disable_cuda_graph_kv_split=False)
+        for tc in tensor_cores
+    ]
+    got = draft_decode_planned_at_capture_only(steps, unsplit_plan=unsplit_plan)
+    assert got is planned_at_capture_only
+    assert [s.disable_cuda_graph_kv_split for s in steps] == [got] * len(steps)

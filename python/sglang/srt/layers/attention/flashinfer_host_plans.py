@@ -42,7 +42,8 @@ def unsplit_plan_by_env(environ=os.environ) -> bool:
     """SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN=1: plan each fixed-width CUDA graph once, without
     split-KV (plan_paged_prefill's unsplit_once). An experiment for an A/B, off by default:
     it saves the plan's host work on every replay and costs split-KV's parallelism at small
-    batch and long prefixes (docs/flashinfer-overlap.md); not yet run on a GPU."""
+    batch and long prefixes (docs/flashinfer-overlap.md). The multi-step draft decode on tensor
+    cores is then planned at capture only (draft_decode_planned_at_capture_only)."""
     return environ.get("SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN", "0") == "1"
 
 
@@ -486,6 +487,27 @@ def _plan_from_bounds(
     planned_indices = wrapper._paged_kv_indices_buf
     if planned_indices.data_ptr() != kv_indices.data_ptr():
         planned_indices[: kv_indices.shape[0]].copy_(kv_indices)
+
+
+def draft_decode_planned_at_capture_only(
+    step_backends, unsplit_plan: bool = _UNSPLIT_PLAN
+) -> bool:
+    """Whether the multi-step draft decode's CUDA graphs are planned once, at capture, and not
+    on replay; if so, each step's backend now plans its graphs without split-KV.
+
+    With SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN=1 and every step decoding on tensor cores: that
+    decode is FlashInfer's fa2 prefill kernel, one query row per draft branch, planned by
+    PrefillSplitQOKVIndptr, whose partition without split-KV reads the query rows and not the
+    KV lengths. Each graph wrapper keeps its own int workspace, and the kernels read the KV
+    index pointer and slot list from the buffers generate_draft_decode_kv_indices writes on the
+    device, so a replay under the capture's plan needs no plan. Off tensor cores FlashInfer's
+    decode plan takes no disable_split_kv, so that decode keeps planning every replay.
+    """
+    once = unsplit_plan and all(b.decode_use_tensor_cores for b in step_backends)
+    if once:
+        for backend in step_backends:
+            backend.disable_cuda_graph_kv_split = True
+    return once
 
 
 def draft_decode_branch_lens(seq_lens: torch.Tensor, topk: int) -> torch.Tensor:
