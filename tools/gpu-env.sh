@@ -3,7 +3,7 @@
 # The bundle travels as .gpu-bundle/ or, repacked smaller, as .gpu-bundle-xz/
 # (tools/pack-gpu-bundle.sh); .whl/ holds wheels the bundle lacks (tools/stage-extra-wheels.sh),
 # .flashinfer/ FlashInfer's JIT headers and compiled modules (specpatch.gpu_host.flashinfer_stage),
-# /tmp/fa3 FA3's library when its parts were shipped (specpatch.gpu_host.fa3_stage).
+# .fa3/ or /tmp/fa3 FA3's library in parts (specpatch.gpu_host.fa3_stage).
 if [ ! -f .gpu-bundle/env.sh ] && [ -f .gpu-bundle-xz/deps.tar.xz ]; then
   mkdir -p .gpu-bundle && for a in .gpu-bundle-xz/*.tar.xz; do tar -xJf "$a" -C .gpu-bundle; done
 fi
@@ -19,6 +19,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 if [ -f .flashinfer/manifest.json ]; then
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage install .flashinfer || return 1
+fi
+# FA3 parts carried in this call join /tmp/fa3: a slim pack's one part rides beside the bundle.
+if [ -f .fa3/manifest.json ]; then
+  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.fa3_stage receive .fa3 /tmp/fa3
 fi
 if [ -f /tmp/fa3/manifest.json ]; then
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.fa3_stage install /tmp/fa3 || return 1

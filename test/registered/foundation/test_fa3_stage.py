@@ -142,6 +142,46 @@ def test_parts_received_over_several_calls_install_the_trimmed_library(
     )  # again: unpacked once
 
 
+def test_install_copies_once_per_archive_and_renames_into_place(
+    library, slim_library, tmp_path, monkeypatch
+):
+    """gpu-env.sh runs install in every script of a call: a library already installed from the
+    same archive is left alone (a benchmark may have it open), another archive replaces it.
+    """
+    site = tmp_path / "sgl_kernel"
+    site.mkdir()
+    copies = []
+    real_copy = fa3_stage.shutil.copy
+
+    def copy(src, dst):
+        copies.append(Path(dst).name)
+        return real_copy(src, dst)
+
+    monkeypatch.setattr(fa3_stage.shutil, "copy", copy)
+
+    def ship(source: Path, name: str, **pack_args) -> Path:
+        fa3_stage.pack(source, tmp_path / name, **pack_args)
+        fa3_stage.receive(tmp_path / name, tmp_path / "store")
+        return fa3_stage.install(tmp_path / "store", site)
+
+    first = ship(library, "full")
+    installs = [c for c in copies if c.endswith(".partial")]
+    assert len(installs) == 1 and installs[0].startswith(fa3_stage.LIBRARY)
+    assert ship(library, "full") == first
+    assert len([c for c in copies if c.endswith(".partial")]) == 1  # not again
+    slim_path, demangled = slim_library
+    ship(
+        slim_path,
+        "slim",
+        selection=SLIM,
+        demangle=lambda names: [demangled[n] for n in names],
+    )
+    assert len([c for c in copies if c.endswith(".partial")]) == 2
+    assert not list(site.glob("*.partial"))
+    slim_store = fa3_stage.assemble(tmp_path / "store").read_bytes()
+    assert first.read_bytes() == slim_store
+
+
 def test_a_missing_or_damaged_part_is_an_error_not_a_library(library, tmp_path):
     packed, store = tmp_path / "packed", tmp_path / "store"
     manifest = fa3_stage.pack(library, packed, part_bytes=48)
@@ -268,3 +308,191 @@ def test_the_installed_sgl_kernel_library_has_the_layout_the_packer_reads():
         )
         # Most of the section is images: the walk did not lose its place between fat binaries.
         assert sum(e.payload_size for e in entries) > 0.9 * size
+
+
+# ----------------------------------------------------------------------------- slim libraries
+
+# A real FA3 forward kernel's name, demangled (sgl_kernel's flash_ops, sm90): head dim 128 for
+# q/k (the tile's K) and for v, bf16.
+FWD_HDIM128_BF16 = (
+    "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+    "flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, "
+    "cute::tuple<cute::C<128>, cute::C<176>, cute::C<128> >, 128, cutlass::bfloat16_t, float, "
+    "cutlass::arch::Sm90, false, false, false, false, false, false, false, true, true, true, "
+    "false, false, cutlass::bfloat16_t, 1>, flash::CollectiveEpilogueFwd<cute::tuple<"
+    "cute::C<128>, cute::C<128>, cute::C<176> >, cute::tuple<cute::C<1>, cute::C<1>, "
+    "cute::C<1> >, cutlass::bfloat16_t, cutlass::arch::Sm90, 256, false, true, false, false>, "
+    "flash::StaticPersistentTileScheduler<false> > > >(...)"
+)
+COMBINE = (
+    "void cutlass::device_kernel<flash::FlashAttnFwdCombine<cute::tuple<cute::C<8>, "
+    "cute::C<128> >, 8, 256, 1, false, false, cutlass::bfloat16_t, float, "
+    "cutlass::arch::Sm90> >(...)"
+)
+SLIM = fa3_stage.KernelSelection((64, 128), "cutlass::bfloat16_t")
+
+
+def forward_name(qk: int, v: int, element: str) -> str:
+    return FWD_HDIM128_BF16.replace(
+        "cute::C<128>, cute::C<176>, cute::C<128> >, 128, " "cutlass::bfloat16_t,",
+        f"cute::C<128>, cute::C<176>, cute::C<{qk}> >, {v}, {element},",
+    )
+
+
+def test_a_forward_kernels_head_dims_and_element_are_read_from_its_name():
+    assert fa3_stage.forward_kernel_shape(FWD_HDIM128_BF16) == (
+        128,
+        128,
+        "cutlass::bfloat16_t",
+    )
+    assert fa3_stage.forward_kernel_shape(
+        forward_name(192, 128, "cutlass::float_e4m3_t")
+    ) == (192, 128, "cutlass::float_e4m3_t")
+    assert fa3_stage.forward_kernel_shape(COMBINE) is None
+
+
+@pytest.mark.parametrize(
+    "names,kept",
+    [
+        ([FWD_HDIM128_BF16], True),
+        ([forward_name(64, 64, "cutlass::bfloat16_t")], True),
+        ([forward_name(256, 256, "cutlass::bfloat16_t")], False),
+        ([forward_name(128, 128, "cutlass::half_t")], False),
+        ([forward_name(64, 512, "cutlass::bfloat16_t")], False),  # v head dim 512
+        ([forward_name(96, 96, "cutlass::bfloat16_t"), FWD_HDIM128_BF16], True),
+        ([COMBINE], True),  # no forward kernel: stays
+        ([], True),
+    ],
+    ids=[
+        "hdim128",
+        "hdim64",
+        "hdim256",
+        "fp16",
+        "v512",
+        "one-of-two",
+        "combine",
+        "none",
+    ],
+)
+def test_a_cubin_stays_unless_all_its_forward_kernels_are_unselected(names, kept):
+    assert fa3_stage.cubin_is_kept(names, SLIM) is kept
+
+
+def test_kernel_selections_parse_and_refuse_with_the_flag_named():
+    assert fa3_stage.KernelSelection.parse("bf16:64,128") == SLIM
+    for bad in ("bf16", "int8:64", "bf16:"):
+        with pytest.raises(ValueError, match="--kernels"):
+            fa3_stage.KernelSelection.parse(bad)
+
+
+def cubin(kernels: list[str], size: int = 64) -> bytes:
+    """A cubin-shaped ELF: one `.text.<mangled>` section per kernel."""
+    return elf_with_sections(
+        {f".text.{name}": payload(7, size) for name in kernels} or {".text": b"x"}
+    )
+
+
+@pytest.fixture
+def slim_library(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """Two fat binaries: sm90 cubins of a kept kernel, a dropped one and a combine kernel,
+    sm80 images beside them, and a PTX image. Mangled names are stand-ins: the test's
+    demangler maps them."""
+    demangled = {
+        "_Z4keep": FWD_HDIM128_BF16,
+        "_Z4drop": forward_name(256, 256, "cutlass::bfloat16_t"),
+        "_Z7combine": COMBINE,
+    }
+    fatbins = (
+        fat_binary(
+            [
+                (2, 80, payload(1, 40)),
+                (2, 90, cubin(["_Z4keep"])),
+                (1, 90, payload(3, 16)),
+            ]
+        )
+        + bytes(8)
+        + fat_binary([(2, 90, cubin(["_Z4drop"])), (2, 90, cubin(["_Z7combine"]))])
+    )
+    (tmp_path / "slim-source").mkdir()
+    path = tmp_path / "slim-source" / fa3_stage.LIBRARY
+    path.write_bytes(
+        elf_with_sections({".text": payload(9, 20), fa3_stage.FATBIN_SECTION: fatbins})
+    )
+    return path, demangled
+
+
+def test_a_slim_pack_zeroes_the_unselected_sm90_cubins_only(slim_library, tmp_path):
+    path, demangled = slim_library
+
+    def demangle(names):
+        return [demangled[n] for n in names]
+
+    manifest = fa3_stage.pack(
+        path, tmp_path / "parts", selection=SLIM, demangle=demangle
+    )
+    store = tmp_path / "store"
+    fa3_stage.receive(tmp_path / "parts", store)
+    original, slim = path.read_bytes(), fa3_stage.assemble(store).read_bytes()
+    entries = fa3_stage.fatbin_entries(
+        original, *fa3_stage.elf_section(original, fa3_stage.FATBIN_SECTION)
+    )
+    images = {}
+    for e in entries:
+        span = slice(e.payload_offset, e.payload_offset + e.payload_size)
+        names = (
+            fa3_stage.cubin_kernel_names(original[span])
+            if e.kind == 2 and e.arch == 90
+            else []
+        )
+        images[(e.kind, e.arch, tuple(names))] = (original[span], slim[span])
+    zero = lambda image: image == bytes(len(image))  # noqa: E731
+    assert zero(images[(2, 80, ())][1])
+    assert not zero(images[(2, 90, ("_Z4keep",))][1])
+    assert images[(2, 90, ("_Z4keep",))][0] == images[(2, 90, ("_Z4keep",))][1]
+    assert zero(images[(2, 90, ("_Z4drop",))][1])
+    assert images[(2, 90, ("_Z7combine",))][0] == images[(2, 90, ("_Z7combine",))][1]
+    assert images[(1, 90, ())][0] == images[(1, 90, ())][1]  # PTX stays
+    assert len(slim) == len(original)
+    assert manifest["kernels"] == {
+        "head_dims": [64, 128],
+        "element": "cutlass::bfloat16_t",
+    }
+    dropped = len(images[(2, 90, ("_Z4drop",))][0])
+    assert manifest["zeroed_bytes"] == 40 + dropped
+
+
+def test_a_full_pack_records_no_kernel_selection(library, tmp_path):
+    assert fa3_stage.pack(library, tmp_path / "parts")["kernels"] is None
+
+
+def test_the_real_librarys_forward_kernels_all_parse():
+    """Every sm90 cubin of the installed FA3 that names FlashAttnFwdSm90 parses, and the
+    selection the synthetic pairs need keeps between a twentieth and a quarter of them.
+    """
+    import shutil
+
+    if shutil.which("c++filt") is None:
+        pytest.skip("binutils' c++filt is not installed")
+    with (
+        _installed_library().open("rb") as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data,
+    ):
+        entries = [
+            e
+            for e in fa3_stage.fatbin_entries(
+                data, *fa3_stage.elf_section(data, fa3_stage.FATBIN_SECTION)
+            )
+            if e.arch == fa3_stage.HOST_ARCH and e.kind == 2
+        ]
+        total = kept = 0
+        for e in entries:
+            names = fa3_stage.cubin_kernel_names(
+                data[e.payload_offset : e.payload_offset + e.payload_size]
+            )
+            demangled = fa3_stage.demangle_with_cxxfilt(names)
+            for name in demangled:
+                if "FlashAttnFwdSm90<" in name:
+                    assert fa3_stage.forward_kernel_shape(name) is not None, name[:200]
+            total += e.payload_size
+            kept += e.payload_size * fa3_stage.cubin_is_kept(demangled, SLIM)
+    assert total / 20 < kept < total / 4

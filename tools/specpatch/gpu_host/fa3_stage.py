@@ -15,6 +15,11 @@ that each fit one call alone (README.md, FA3 staging, says how many there are to
 
 `install` checks the assembled archive against the manifest's sha256 before unpacking, so a
 missing or repeated part is an error, not a corrupt library.
+
+`pack --kernels bf16:64,128` also zeroes the sm90 cubins whose FA3 forward kernels are all for
+other head dims or element types (cubin_is_kept): what the synthetic pairs run is about an
+eighth of the library, and the archive then fits one call beside the GPU bundle. A launch of a
+zeroed kernel fails (an invalid kernel image), so such a library serves only those models.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import re
 import shutil
 import struct
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 LIBRARY = "flash_ops.abi3.so"
 ARCHIVE = LIBRARY + ".xz"
@@ -131,6 +139,120 @@ def zero_other_archs(library: bytes, keep_arch: int) -> tuple[bytearray, int]:
     return out, zeroed
 
 
+# cutlass element types by the short names `--kernels` takes.
+ELEMENT_TYPES = {
+    "bf16": "cutlass::bfloat16_t",
+    "fp16": "cutlass::half_t",
+    "e4m3": "cutlass::float_e4m3_t",
+}
+
+
+@dataclass(frozen=True)
+class KernelSelection:
+    """The FA3 forward kernels a slim library keeps: q/k and v head dims, one element type."""
+
+    head_dims: tuple[int, ...]
+    element: str  # a cutlass element type, e.g. "cutlass::bfloat16_t"
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelSelection":
+        """`bf16:64,128` (an ELEMENT_TYPES key, then head dims)."""
+        name, _, dims = text.partition(":")
+        if name not in ELEMENT_TYPES or not dims:
+            raise ValueError(
+                f"--kernels {text!r}: expected TYPE:DIM[,DIM...] with TYPE in "
+                f"{sorted(ELEMENT_TYPES)}, e.g. bf16:64,128"
+            )
+        return cls(tuple(int(d) for d in dims.split(",")), ELEMENT_TYPES[name])
+
+
+# An FA3 forward kernel, demangled: cutlass::device_kernel<flash::...FlashAttnFwdSm90<
+# flash::CollectiveMainloopFwdSm90<stages, ClusterShape, TileShape_MNK, kHeadDimV, Element, ...
+# TileShape_MNK's K is the q/k head dim.
+_SHAPE3 = r"cute::tuple<cute::C<(\d+)>, cute::C<(\d+)>, cute::C<(\d+)> >"
+FA3_FORWARD = re.compile(
+    r"flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90<\d+, "
+    + _SHAPE3
+    + ", "
+    + _SHAPE3
+    + r", (\d+), ([\w:]+),"
+)
+
+
+def forward_kernel_shape(demangled: str) -> Optional[tuple[int, int, str]]:
+    """(q/k head dim, v head dim, element type) of an FA3 forward kernel; None for any other."""
+    m = FA3_FORWARD.search(demangled)
+    return None if m is None else (int(m.group(6)), int(m.group(7)), m.group(8))
+
+
+def cubin_kernel_names(cubin: bytes) -> list[str]:
+    """The mangled names of a cubin's kernels: its `.text.<name>` sections."""
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def name_offset_and_offset(index: int) -> tuple[int, int]:
+        base = shoff + index * shentsize
+        (name_offset,) = struct.unpack_from("<I", cubin, base)
+        (offset,) = struct.unpack_from("<Q", cubin, base + 0x18)
+        return name_offset, offset
+
+    strtab = name_offset_and_offset(shstrndx)[1]
+    names = []
+    for index in range(shnum):
+        start = strtab + name_offset_and_offset(index)[0]
+        name = cubin[start : cubin.index(b"\0", start)].decode()
+        if name.startswith(".text."):
+            names.append(name[len(".text.") :])
+    return names
+
+
+def cubin_is_kept(demangled_names: list[str], selection: KernelSelection) -> bool:
+    """A cubin stays unless it has FA3 forward kernels and none of them is selected: cubins of
+    other kernels (the split-KV combine, the varlen scheduler's, sm80 fallbacks) stay whole.
+    """
+    shapes = [forward_kernel_shape(name) for name in demangled_names]
+    forward = [shape for shape in shapes if shape is not None]
+    return not forward or any(
+        qk in selection.head_dims
+        and v in selection.head_dims
+        and element == selection.element
+        for qk, v, element in forward
+    )
+
+
+def demangle_with_cxxfilt(names: list[str]) -> list[str]:
+    """binutils' c++filt, one name a line."""
+    out = subprocess.run(
+        ["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    return out[: len(names)]
+
+
+def zero_unselected_cubins(
+    trimmed: bytearray,
+    keep_arch: int,
+    selection: KernelSelection,
+    demangle: Callable[[list[str]], list[str]] = demangle_with_cxxfilt,
+) -> int:
+    """Zero, in place, the `keep_arch` cubins cubin_is_kept drops; return the bytes zeroed.
+    An image that is not a plain ELF (PTX, compressed) stays."""
+    entries = fatbin_entries(trimmed, *elf_section(trimmed, FATBIN_SECTION))
+    zeroed = 0
+    for e in entries:
+        end = e.payload_offset + e.payload_size
+        if (
+            e.arch != keep_arch
+            or e.kind != 2
+            or trimmed[e.payload_offset : e.payload_offset + 4] != b"\x7fELF"
+        ):
+            continue
+        names = cubin_kernel_names(bytes(trimmed[e.payload_offset : end]))
+        if not cubin_is_kept(demangle(names) if names else [], selection):
+            trimmed[e.payload_offset : end] = bytes(e.payload_size)
+            zeroed += e.payload_size
+    return zeroed
+
+
 def xz_compress(data: bytes | bytearray) -> bytes:
     """One xz stream, fed in chunks so that no second copy of the library is made."""
     import lzma
@@ -149,9 +271,14 @@ def pack(
     out_dir: Path,
     keep_arch: int = HOST_ARCH,
     part_bytes: int = PART_BYTES,
+    selection: Optional[KernelSelection] = None,
+    demangle: Callable[[list[str]], list[str]] = demangle_with_cxxfilt,
 ) -> dict:
-    """Write out_dir/partNN and out_dir/manifest.json; return the manifest."""
+    """Write out_dir/partNN and out_dir/manifest.json; return the manifest. With `selection`,
+    only those FA3 forward kernels' cubins stay (zero_unselected_cubins)."""
     trimmed, zeroed = zero_other_archs(library.read_bytes(), keep_arch)
+    if selection is not None:
+        zeroed += zero_unselected_cubins(trimmed, keep_arch, selection, demangle)
     archive = xz_compress(trimmed)
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -167,6 +294,11 @@ def pack(
         "keep_arch": keep_arch,
         "library_bytes": len(trimmed),
         "zeroed_bytes": zeroed,
+        "kernels": (
+            None
+            if selection is None
+            else {"head_dims": list(selection.head_dims), "element": selection.element}
+        ),
         "compression": COMPRESSION,
         "archive_bytes": len(archive),
         "archive_sha256": hashlib.sha256(archive).hexdigest(),
@@ -181,10 +313,16 @@ def receive(parts_dir: Path, store: Path) -> list[str]:
     return the parts the store still lacks."""
     manifest = json.loads((parts_dir / "manifest.json").read_text())
     store.mkdir(parents=True, exist_ok=True)
-    shutil.copy(parts_dir / "manifest.json", store / "manifest.json")
-    for name in manifest["parts"]:
-        if (parts_dir / name).is_file():
-            shutil.copy(parts_dir / name, store / name)
+    stored = store / "manifest.json"
+    if stored.is_file() and json.loads(stored.read_text()) != manifest:
+        shutil.rmtree(store)  # another pack's parts: start over
+        store.mkdir(parents=True)
+    for name in [*manifest["parts"], "manifest.json"]:
+        source, kept = parts_dir / name, store / name
+        if source.is_file() and not (
+            kept.is_file() and kept.stat().st_size == source.stat().st_size
+        ):
+            shutil.copy(source, kept)
     return [name for name in manifest["parts"] if not (store / name).is_file()]
 
 
@@ -230,10 +368,20 @@ def xz_decompress(archive: Path, out: Path) -> None:
 
 
 def install(store: Path, sgl_kernel_dir: Path) -> Path:
-    """Put the assembled library into an installed sgl_kernel package."""
+    """Put the assembled library into an installed sgl_kernel package, once per archive: every
+    script of a call sources gpu-env.sh, and benchmarks may already have imported sgl_kernel
+    when a later one does. A copy lands under a temporary name and is renamed over the library,
+    so a process that has it open keeps the file it opened."""
     library = assemble(store)
     target = sgl_kernel_dir / LIBRARY
-    shutil.copy(library, target)
+    archive_sha256 = json.loads((store / "manifest.json").read_text())["archive_sha256"]
+    marker = sgl_kernel_dir / (LIBRARY + ".fa3_stage")
+    if target.is_file() and marker.is_file() and marker.read_text() == archive_sha256:
+        return target
+    partial = target.with_name(f"{LIBRARY}.{os.getpid()}.partial")
+    shutil.copy(library, partial)
+    os.replace(partial, target)
+    marker.write_text(archive_sha256)
     return target
 
 
@@ -262,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         help="default: the flash_ops of the sgl_kernel importable here",
     )
     p.add_argument("--part-mib", type=int, default=PART_BYTES >> 20)
+    p.add_argument(
+        "--kernels",
+        type=KernelSelection.parse,
+        help="keep only these FA3 forward kernels, e.g. bf16:64,128 (the synthetic pairs')",
+    )
     r = sub.add_parser("receive", help="on the GPU host: keep this call's parts")
     r.add_argument("parts_dir", type=Path)
     r.add_argument("store", type=Path)
@@ -273,7 +426,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "pack":
         library = args.library or _sgl_kernel_dir() / LIBRARY
-        manifest = pack(library, args.out_dir, part_bytes=args.part_mib << 20)
+        manifest = pack(
+            library,
+            args.out_dir,
+            part_bytes=args.part_mib << 20,
+            selection=args.kernels,
+        )
         print(json.dumps({k: v for k, v in manifest.items() if k != "archive_sha256"}))
     elif args.cmd == "receive":
         missing = receive(args.parts_dir, args.store)
@@ -284,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print(install(args.store, _sgl_kernel_dir()))
+        kernels = json.loads((args.store / "manifest.json").read_text()).get("kernels")
+        if kernels:
+            print(
+                f"fa3_stage: this FA3 keeps only its {kernels['element']} forward kernels "
+                f"for head dims {kernels['head_dims']}; launching another fails"
+            )
     return 0
 
 
