@@ -552,6 +552,7 @@ def _default_backend_args(**overrides):
             "speculative_eagle_topk": 16,
             "speculative_num_steps": None,
             "speculative_num_draft_tokens": None,
+            "pp_size": 1,
             **overrides,
         }
     )
@@ -634,6 +635,14 @@ def _default_backend_args(**overrides):
         ),
         ({}, "flashinfer", SimpleNamespace(), False, True, "flashinfer"),
         (
+            dict(pp_size=2),
+            "flashinfer",
+            SimpleNamespace(),
+            True,
+            True,
+            "flashinfer",
+        ),
+        (
             dict(enable_multi_layer_eagle=True),
             "flashinfer",
             SimpleNamespace(),
@@ -656,6 +665,7 @@ def _default_backend_args(**overrides):
         "draft-backend-named",
         "overlap-disabled",
         "spec-v2-env-off",
+        "pipeline-parallel",
         "multi-layer",
         "recurrent-target",
     ],

@@ -792,7 +792,9 @@ def default_tree_attention_backend(
         return default_backend
     version = choose_spec_version(
         topk=topk,
-        overlap_disabled=server_args.disable_overlap_schedule,
+        # Pipeline parallelism disables the overlap scheduler later in __post_init__.
+        overlap_disabled=server_args.disable_overlap_schedule
+        or server_args.pp_size > 1,
         spec_v2_env_enabled=spec_v2_env_enabled,
         multi_layer=server_args.enable_multi_layer_eagle,
         recurrent_reason=recurrent_layer_reason(hf_config),
