@@ -680,6 +680,7 @@ def test_default_tree_attention_backend_table(
             hf_config,
             spec_v2_env_enabled=env,
             on_hopper=on_hopper,
+            encoder_decoder=False,
         )
     assert got == expected
     said = [r.getMessage() for r in caplog.records if "instead of" in r.getMessage()]
@@ -692,6 +693,18 @@ def test_default_tree_attention_backend_table(
             "measured; "
             "pass --attention-backend flashinfer to keep it."
         ]
+
+
+def test_an_encoder_decoder_target_keeps_flashinfer_for_its_cross_attention():
+    got = hook.default_tree_attention_backend(
+        _default_backend_args(),
+        "flashinfer",
+        SimpleNamespace(),
+        spec_v2_env_enabled=True,
+        on_hopper=True,
+        encoder_decoder=True,
+    )
+    assert got == "flashinfer"
 
 
 @pytest.fixture

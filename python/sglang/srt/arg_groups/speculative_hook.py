@@ -769,12 +769,14 @@ def default_tree_attention_backend(
     *,
     spec_v2_env_enabled: bool,
     on_hopper: bool,
+    encoder_decoder: bool = False,
 ) -> str:
     """The attention backend for a server whose user named none: `default_backend` (sglang's
     pick) unless it is flashinfer for an EAGLE-family tree on Hopper that will run spec v2 on
     TREE_DEFAULT_ATTENTION_BACKEND, which it then is (one info line says so and how to keep
     flashinfer). The shape flags must name the topk: a partial shape is completed later.
-    """
+    Encoder-decoder targets keep flashinfer, whose second wrapper serves their cross
+    attention."""
     topk = server_args.speculative_eagle_topk
     named = (
         server_args.prefill_attention_backend,
@@ -788,6 +790,7 @@ def default_tree_attention_backend(
         or topk is None
         or topk <= 1
         or any(b is not None for b in named)
+        or encoder_decoder
     ):
         return default_backend
     version = choose_spec_version(
