@@ -65,10 +65,10 @@ class FatbinEntry:
     arch: int  # e.g. 90 for sm_90
 
 
-def elf_section(data: bytes, name: str) -> tuple[int, int]:
-    """(file offset, size) of an ELF64 little-endian section, read from the section headers.
-
-    `data` may be an mmap: only the headers are touched."""
+def elf_sections(data: bytes) -> list[tuple[bytes, int, int]]:
+    """(name, file offset, size) of every section of an ELF64 little-endian image, read from
+    the section headers. `data` may be an mmap: only the headers and names are touched.
+    """
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError("not a little-endian ELF64 file")
     (shoff,) = struct.unpack_from("<Q", data, 0x28)
@@ -81,10 +81,18 @@ def elf_section(data: bytes, name: str) -> tuple[int, int]:
         return name_offset, offset, size
 
     _, strtab_offset, _ = header(shstrndx)
+    sections = []
     for index in range(shnum):
         name_offset, offset, size = header(index)
         start = strtab_offset + name_offset
-        if data[start : data.find(b"\0", start)] == name.encode():
+        sections.append((bytes(data[start : data.find(b"\0", start)]), offset, size))
+    return sections
+
+
+def elf_section(data: bytes, name: str) -> tuple[int, int]:
+    """(file offset, size) of the ELF section `name`."""
+    for section, offset, size in elf_sections(data):
+        if section == name.encode():
             return offset, size
     raise ValueError(f"no {name} section")
 
@@ -187,23 +195,11 @@ def forward_kernel_shape(demangled: str) -> Optional[tuple[int, int, str]]:
 
 def cubin_kernel_names(cubin: bytes) -> list[str]:
     """The mangled names of a cubin's kernels: its `.text.<name>` sections."""
-    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-
-    def name_offset_and_offset(index: int) -> tuple[int, int]:
-        base = shoff + index * shentsize
-        (name_offset,) = struct.unpack_from("<I", cubin, base)
-        (offset,) = struct.unpack_from("<Q", cubin, base + 0x18)
-        return name_offset, offset
-
-    strtab = name_offset_and_offset(shstrndx)[1]
-    names = []
-    for index in range(shnum):
-        start = strtab + name_offset_and_offset(index)[0]
-        name = cubin[start : cubin.index(b"\0", start)].decode()
-        if name.startswith(".text."):
-            names.append(name[len(".text.") :])
-    return names
+    return [
+        name[len(b".text.") :].decode()
+        for name, _, _ in elf_sections(cubin)
+        if name.startswith(b".text.")
+    ]
 
 
 def cubin_is_kept(demangled_names: list[str], selection: KernelSelection) -> bool:
