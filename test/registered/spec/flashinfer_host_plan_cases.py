@@ -90,14 +90,19 @@ HEADS = plans.HeadConfig(8, 2, 64, torch.bfloat16, torch.bfloat16)
 POOL_LEN = 96
 
 
+def shuffled_req_to_token(num_seqs: int, gen: torch.Generator) -> torch.Tensor:
+    """[num_seqs, POOL_LEN] int32: distinct KV slots, so a slot read names its position."""
+    return (
+        torch.randperm(num_seqs * POOL_LEN, generator=gen)
+        .to(torch.int32)
+        .view(num_seqs, POOL_LEN)
+    )
+
+
 def make_batch(bs: int, width: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     rows = bs + 3  # pool rows the batch does not use, so that the row lookup matters
-    req_to_token = (
-        torch.randperm(rows * POOL_LEN, generator=gen)
-        .view(rows, POOL_LEN)
-        .to(torch.int32)
-    )
+    req_to_token = shuffled_req_to_token(rows, gen)
     req_pool_indices = torch.randperm(rows, generator=gen)[:bs].to(torch.int64)
     prefix = torch.randint(1, POOL_LEN - width, (bs,), generator=gen)
     return req_to_token, req_pool_indices, prefix
@@ -250,6 +255,20 @@ def reference_draft_decode_reads(
     return reads
 
 
+def assert_draft_decode_slots(
+    kv_indices, indptrs, req_to_token, req_pool_indices, seq_lens, topk, num_steps
+):
+    """Each draft branch's slot list at each step, between its index pointers, is what
+    reference_draft_decode_reads says it reads."""
+    for step in range(num_steps):
+        reads = reference_draft_decode_reads(
+            req_to_token, req_pool_indices, seq_lens, topk, num_steps, step
+        )
+        for z, expected in enumerate(reads):
+            got = kv_indices[step, indptrs[step, z] : indptrs[step, z + 1]]
+            assert torch.equal(got, expected.to(torch.int32)), (step, z)
+
+
 def run_upstream_draft_decode_kernel(
     req_to_token, req_pool_indices, seq_lens, positions, topk, num_steps
 ):
@@ -291,11 +310,7 @@ def test_draft_decode_indptrs_match_the_kernel_and_its_slot_list(
     seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
     num_seqs = seq_lens.shape[0]
     gen = torch.Generator().manual_seed(11)
-    req_to_token = (
-        torch.randperm(num_seqs * POOL_LEN, generator=gen)
-        .to(torch.int32)
-        .view(num_seqs, POOL_LEN)
-    )
+    req_to_token = shuffled_req_to_token(num_seqs, gen)
     req_pool_indices = torch.randperm(num_seqs, generator=gen)
     branch_lens = plans.draft_decode_branch_lens(seq_lens, topk)
     assert branch_lens.tolist() == [n for n in seq_lens.tolist() for _ in range(topk)]
@@ -306,13 +321,9 @@ def test_draft_decode_indptrs_match_the_kernel_and_its_slot_list(
     )
     assert host.dtype == torch.int32 and host.shape == (num_steps, num_seqs * topk + 1)
     assert torch.equal(host, kv_indptr)
-    for step in range(num_steps):
-        reads = reference_draft_decode_reads(
-            req_to_token, req_pool_indices, seq_lens, topk, num_steps, step
-        )
-        for z, expected in enumerate(reads):
-            got = kv_indices[step, host[step, z] : host[step, z + 1]]
-            assert torch.equal(got, expected.to(torch.int32)), (step, z)
+    assert_draft_decode_slots(
+        kv_indices, host, req_to_token, req_pool_indices, seq_lens, topk, num_steps
+    )
 
 
 class RecordingStepBackend:
@@ -340,11 +351,7 @@ def test_a_draft_decode_planned_at_capture_replays_without_plans(
     seq_lens, topk, num_steps = torch.tensor([7, 12]), 4, 3
     num_seqs = seq_lens.shape[0]
     gen = torch.Generator().manual_seed(7)
-    req_to_token = (
-        torch.randperm(num_seqs * POOL_LEN, generator=gen)
-        .to(torch.int32)
-        .view(num_seqs, POOL_LEN)
-    )
+    req_to_token = shuffled_req_to_token(num_seqs, gen)
     req_pool_indices = torch.tensor([1, 0])
     backend = object.__new__(FlashInferMultiStepDraftBackend)
     backend.topk = topk
@@ -379,13 +386,15 @@ def test_a_draft_decode_planned_at_capture_replays_without_plans(
     )
     host = plans.draft_decode_indptrs(seq_lens, topk, num_steps)
     assert torch.equal(backend.kv_indptr, host)
-    for step in range(num_steps):
-        reads = reference_draft_decode_reads(
-            req_to_token, req_pool_indices, seq_lens, topk, num_steps, step
-        )
-        for z, expected in enumerate(reads):
-            got = backend.cuda_graph_kv_indices[step, host[step, z] : host[step, z + 1]]
-            assert torch.equal(got, expected.to(torch.int32)), (step, z)
+    assert_draft_decode_slots(
+        backend.cuda_graph_kv_indices,
+        host,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        topk,
+        num_steps,
+    )
 
 
 def test_draft_decode_indptrs_equal_upstreams_for_real_requests():
@@ -393,9 +402,7 @@ def test_draft_decode_indptrs_equal_upstreams_for_real_requests():
     padding): the pointers of real requests are the same, the padding's differ."""
     seq_lens, topk, num_steps, real = torch.tensor([9, 14, 1]), 4, 3, 2
     gen = torch.Generator().manual_seed(5)
-    req_to_token = (
-        torch.randperm(3 * POOL_LEN, generator=gen).to(torch.int32).view(3, POOL_LEN)
-    )
+    req_to_token = shuffled_req_to_token(3, gen)
     positions = torch.cat(
         [
             plans.draft_decode_branch_lens(seq_lens[:real], topk),

@@ -541,6 +541,11 @@ def test_paged_tree_with_a_triton_draft_backend_on_spec_v1_is_refused(pair):
 # ----------------------------------------------------------------------------- default backend
 
 MAMBA_TARGET = SimpleNamespace(layers_block_type=["attention", "mamba"])
+MISSION_LOG = (
+    "Spec v2 tree drafting (--speculative-eagle-topk 16) on Hopper uses the triton "
+    "attention backend instead of flashinfer: as fast or faster at every batch size "
+    "measured; pass --attention-backend flashinfer to keep it."
+)
 
 
 def _default_backend_args(**overrides):
@@ -558,153 +563,83 @@ def _default_backend_args(**overrides):
     )
 
 
+def _decide_default_backend(
+    default="flashinfer",
+    hf_config=SimpleNamespace(),
+    spec_v2_env_enabled=True,
+    on_hopper=True,
+    encoder_decoder=False,
+    **overrides,
+) -> str:
+    """default_tree_attention_backend on the mission command's flags with `overrides`, as on
+    an H100 where sglang just picked `default`."""
+    return hook.default_tree_attention_backend(
+        _default_backend_args(**overrides),
+        default,
+        hf_config,
+        spec_v2_env_enabled=spec_v2_env_enabled,
+        on_hopper=on_hopper,
+        encoder_decoder=encoder_decoder,
+    )
+
+
 @pytest.mark.parametrize(
-    "overrides,default,hf_config,env,on_hopper,expected",
+    "case,expected",
     [
-        ({}, "flashinfer", SimpleNamespace(), True, True, "triton"),
-        (
-            dict(speculative_algorithm="EAGLE3"),
-            "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "triton",
-        ),
+        pytest.param({}, "triton", id="mission-command"),
+        pytest.param(dict(speculative_algorithm="EAGLE3"), "triton", id="eagle3"),
         # Not measured off Hopper: sglang's pick stays.
-        ({}, "flashinfer", SimpleNamespace(), True, False, "flashinfer"),
+        pytest.param(dict(on_hopper=False), "flashinfer", id="not-hopper"),
         # sglang's pick is not flashinfer (topk 1 on Hopper: fa3; attention sinks: triton).
-        ({}, "fa3", SimpleNamespace(), True, True, "fa3"),
-        (
-            dict(speculative_eagle_topk=1),
-            "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "flashinfer",
-        ),
+        pytest.param(dict(default="fa3"), "fa3", id="sglang-picked-fa3"),
+        pytest.param(dict(speculative_eagle_topk=1), "flashinfer", id="chain"),
         # Partial shape without topk: completed later, sglang's pick stays.
-        (
+        pytest.param(
             dict(speculative_eagle_topk=None, speculative_num_draft_tokens=32),
             "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "flashinfer",
+            id="topk-unset",
         ),
-        (
-            dict(speculative_algorithm="STANDALONE"),
-            "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "flashinfer",
+        pytest.param(
+            dict(speculative_algorithm="STANDALONE"), "flashinfer", id="standalone"
         ),
         # A backend named for any phase or for the draft is the user's choice.
-        (
+        pytest.param(
             dict(decode_attention_backend="flashinfer"),
             "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "flashinfer",
+            id="decode-backend-named",
         ),
-        (
+        pytest.param(
             dict(prefill_attention_backend="fa3"),
             "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "flashinfer",
+            id="prefill-backend-named",
         ),
-        (
+        pytest.param(
             dict(speculative_draft_attention_backend="flashinfer"),
             "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "flashinfer",
+            id="draft-backend-named",
         ),
         # Trees that will run spec v1 anyway keep flashinfer (whose v1 trees are right).
-        (
-            dict(disable_overlap_schedule=True),
-            "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "flashinfer",
+        pytest.param(
+            dict(disable_overlap_schedule=True), "flashinfer", id="overlap-disabled"
         ),
-        ({}, "flashinfer", SimpleNamespace(), False, True, "flashinfer"),
-        (
-            dict(pp_size=2),
-            "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "flashinfer",
+        pytest.param(
+            dict(spec_v2_env_enabled=False), "flashinfer", id="spec-v2-env-off"
         ),
-        (
-            dict(enable_multi_layer_eagle=True),
-            "flashinfer",
-            SimpleNamespace(),
-            True,
-            True,
-            "flashinfer",
+        pytest.param(dict(pp_size=2), "flashinfer", id="pipeline-parallel"),
+        pytest.param(
+            dict(enable_multi_layer_eagle=True), "flashinfer", id="multi-layer"
         ),
-        ({}, "flashinfer", MAMBA_TARGET, True, True, "flashinfer"),
-    ],
-    ids=[
-        "mission-command",
-        "eagle3",
-        "not-hopper",
-        "sglang-picked-fa3",
-        "chain",
-        "topk-unset",
-        "standalone",
-        "decode-backend-named",
-        "prefill-backend-named",
-        "draft-backend-named",
-        "overlap-disabled",
-        "spec-v2-env-off",
-        "pipeline-parallel",
-        "multi-layer",
-        "recurrent-target",
+        pytest.param(dict(hf_config=MAMBA_TARGET), "flashinfer", id="recurrent-target"),
+        # Their cross attention runs on flashinfer's second wrapper.
+        pytest.param(dict(encoder_decoder=True), "flashinfer", id="encoder-decoder"),
     ],
 )
-def test_default_tree_attention_backend_table(
-    overrides, default, hf_config, env, on_hopper, expected, caplog
-):
+def test_default_tree_attention_backend_table(case, expected, caplog):
     with caplog.at_level(logging.INFO):
-        got = hook.default_tree_attention_backend(
-            _default_backend_args(**overrides),
-            default,
-            hf_config,
-            spec_v2_env_enabled=env,
-            on_hopper=on_hopper,
-            encoder_decoder=False,
-        )
+        got = _decide_default_backend(**case)
     assert got == expected
     said = [r.getMessage() for r in caplog.records if "instead of" in r.getMessage()]
-    if expected == default:
-        assert said == []
-    else:
-        assert said == [
-            "Spec v2 tree drafting (--speculative-eagle-topk 16) on Hopper uses the triton "
-            "attention backend instead of flashinfer: as fast or faster at every batch size "
-            "measured; "
-            "pass --attention-backend flashinfer to keep it."
-        ]
-
-
-def test_an_encoder_decoder_target_keeps_flashinfer_for_its_cross_attention():
-    got = hook.default_tree_attention_backend(
-        _default_backend_args(),
-        "flashinfer",
-        SimpleNamespace(),
-        spec_v2_env_enabled=True,
-        on_hopper=True,
-        encoder_decoder=True,
-    )
-    assert got == "flashinfer"
+    assert said == ([MISSION_LOG] if expected == "triton" else [])
 
 
 @pytest.fixture
