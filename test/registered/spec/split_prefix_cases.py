@@ -149,9 +149,9 @@ def plan_for(case: Case) -> sp.SplitPlan:
     return plan
 
 
-def check(case: Case, device: str) -> None:
+def check(case: Case, device: str, seed: int = 0) -> None:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    x = make_inputs(case, device, dtype)
+    x = make_inputs(case, device, dtype, seed)
     expected = sp.reference_extend_attention(**x)
     out = torch.full_like(x["q_extend"], float("nan"))
     sp.split_prefix_extend_attention(plan_for(case), o_extend=out, **x)
@@ -162,3 +162,23 @@ def check(case: Case, device: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_kernel_matches_reference(case):
     check(case, "cpu")
+
+
+# Splits past these prefixes see no key (a chunk is at least BLOCK_N tokens).
+EMPTY_SPLIT_CASES = [c for c in CASES if c.name.startswith(("bs1_chain4", "bs3_"))]
+
+
+@pytest.mark.parametrize(
+    "case", EMPTY_SPLIT_CASES, ids=[c.name for c in EMPTY_SPLIT_CASES]
+)
+def test_splits_without_keys_are_not_read(case, monkeypatch):
+    """The partial buffers start as NaN: a split that saw no key must not store its output
+    and the merge must not read it (a read of one NaN would poison the row)."""
+    allocate = sp._partial_buffers
+
+    def poisoned(*args):
+        partial_o, partial_lse = allocate(*args)
+        return partial_o.fill_(float("nan")), partial_lse.fill_(float("nan"))
+
+    monkeypatch.setattr(sp, "_partial_buffers", poisoned)
+    check(case, "cpu", seed=1)

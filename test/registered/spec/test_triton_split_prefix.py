@@ -18,7 +18,12 @@ from specpatch.testing.interpret import interpreter_suite
 from specpatch.testing.sm90_compile import launches_compile_for_sm90
 
 HERE = Path(__file__).resolve().parent
-NAMES = [f"test_kernel_matches_reference[{c.name}]" for c in split_prefix_cases.CASES]
+NAMES = [
+    f"test_kernel_matches_reference[{c.name}]" for c in split_prefix_cases.CASES
+] + [
+    f"test_splits_without_keys_are_not_read[{c.name}]"
+    for c in split_prefix_cases.EMPTY_SPLIT_CASES
+]
 
 # The partial kernel's prefix loop has device bounds, which the interpreter reads as one-element
 # arrays: numpy >= 2.5 refuses that (upstream's extend kernel does the same).

@@ -389,6 +389,9 @@ def _partial_kernel(
             IS_CAUSAL,
         )
 
+    # A split past a short prefix sees no key: its rows store only their -inf log-sum-exp,
+    # which tells the merge not to read their output (most splits, on a prompt of a few
+    # hundred tokens; the output is the partials' bulk).
     seen_any = l_i > 0
     l_safe = tl.where(seen_any, l_i, 1.0)
     tl.store(
@@ -399,7 +402,7 @@ def _partial_kernel(
         + row[:, None] * stride_or
         + offs_d,
         acc / l_safe[:, None],
-        mask=row_ok[:, None],
+        mask=(row_ok & seen_any)[:, None],
     )
     tl.store(
         Partial_LSE + b * stride_lb + split * stride_ls + head * stride_lh + row,
@@ -444,6 +447,8 @@ def _merge_kernel(
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp(lse - m)
+        # Parts that saw no key left their output unwritten (weight 0; skip the read).
+        seen = part_ok & (lse > float("-inf"))
         o = tl.load(
             Partial_O
             + b * stride_ob
@@ -451,7 +456,7 @@ def _merge_kernel(
             + head * stride_oph
             + row * stride_or
             + offs_d,
-            mask=part_ok[:, None],
+            mask=seen[:, None],
             other=0.0,
         )
         total = tl.maximum(tl.sum(w, 0), 1e-30)
@@ -460,6 +465,26 @@ def _merge_kernel(
             O + (q_start + row) * stride_ot + head * stride_oh + offs_d,
             out.to(O.dtype.element_ty),
         )
+
+
+def _partial_buffers(
+    batch_size: int,
+    parts: int,
+    num_heads: int,
+    q_rows: int,
+    dim: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised partial outputs [batch_size, parts, num_heads, q_rows, dim] and log-sum-
+    exps [batch_size, parts, num_heads, q_rows], fp32: the partial kernel writes what the merge
+    reads."""
+    partial_o = torch.empty(
+        (batch_size, parts, num_heads, q_rows, dim), dtype=torch.float32, device=device
+    )
+    partial_lse = torch.empty(
+        (batch_size, parts, num_heads, q_rows), dtype=torch.float32, device=device
+    )
+    return partial_o, partial_lse
 
 
 def split_prefix_extend_attention(
@@ -488,15 +513,8 @@ def split_prefix_extend_attention(
     num_heads, dim = q_extend.shape[1], q_extend.shape[2]
     num_kv_heads = k_extend.shape[1]
     parts = plan.num_splits + 1
-    partial_o = torch.empty(
-        (batch_size, parts, num_heads, plan.q_rows, dim),
-        dtype=torch.float32,
-        device=q_extend.device,
-    )
-    partial_lse = torch.empty(
-        (batch_size, parts, num_heads, plan.q_rows),
-        dtype=torch.float32,
-        device=q_extend.device,
+    partial_o, partial_lse = _partial_buffers(
+        batch_size, parts, num_heads, plan.q_rows, dim, q_extend.device
     )
     use_custom_mask = custom_mask is not None
     _partial_kernel[(batch_size, num_kv_heads, parts)](
