@@ -6,8 +6,10 @@ default.
     python benchmark/spec/bench_verify_attention.py --batch-sizes 1,16,64 --draft-tokens 2,4,32
 
 Each row: microseconds per call for one layer (heads/kv heads/head dim of a Llama-3-8B-shaped
-target by default) and the ratios upstream / short and upstream / split. The outputs are
-compared too: both change the work, not the attention.
+target by default) and the ratios upstream / short and upstream / split; `split other` is the
+split prefix with its partial kernel on the warp count the plan does not pick (4 <-> 8), and
+`short / split` says whether splitting pays against the short tile alone. The outputs are
+compared too: each changes the work, not the attention.
 """
 
 from __future__ import annotations
@@ -64,11 +66,19 @@ def verify_batch(bs, prefix_len, draft_tokens, heads, kv_heads, dim):
     )
 
 
+PLANNED_WARPS = triton_split_prefix.partial_warps
+
+
+def other_warps(tile_rows: int) -> int:
+    return 12 - PLANNED_WARPS(tile_rows)
+
+
 def time_us(
-    args: dict, short_tile: bool, split_prefix: bool
+    args: dict, short_tile: bool, split_prefix: bool, warps=PLANNED_WARPS
 ) -> tuple[float, torch.Tensor]:
     triton_short_extend._ENABLED = short_tile
     triton_split_prefix._ENABLED = split_prefix
+    triton_split_prefix.partial_warps = warps
     fn = lambda: extend_attention_fwd(**args)  # noqa: E731
     fn()
     # Replayed from a CUDA graph, as the server's verify is: a plain loop would time the
@@ -81,7 +91,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch-sizes", default="1,16,48,64")
     p.add_argument("--draft-tokens", default="2,4,8,32")
-    p.add_argument("--prefix-lens", default="256,1024")
+    p.add_argument("--prefix-lens", default="128,256,1024,4096")
     p.add_argument("--heads", default="32,8,128", help="query heads, kv heads, dim")
     p.add_argument("--out")
     a = p.parse_args()
@@ -89,7 +99,7 @@ def main() -> None:
     rows = []
     print(
         f"{'bs':>4} {'prefix':>6} {'draft':>5} {'upstream us':>12} {'short us':>9} "
-        f"{'split us':>9} {'short':>6} {'split':>6}"
+        f"{'split us':>9} {'split other':>11} {'short':>6} {'split':>6} {'short / split':>13}"
     )
     for prefix_len in (int(x) for x in a.prefix_lens.split(",")):
         for bs in (int(x) for x in a.batch_sizes.split(",")):
@@ -98,7 +108,8 @@ def main() -> None:
                 upstream, out_upstream = time_us(args, False, False)
                 short, out_short = time_us(args, True, False)
                 split, out_split = time_us(args, True, True)
-                for out in (out_short, out_split):
+                split_other, out_other = time_us(args, True, True, other_warps)
+                for out in (out_short, out_split, out_other):
                     torch.testing.assert_close(out, out_upstream, atol=2e-2, rtol=2e-2)
                 rows.append(
                     dict(
@@ -108,12 +119,14 @@ def main() -> None:
                         upstream_us=upstream,
                         short_us=short,
                         split_us=split,
+                        split_other_warps_us=split_other,
                     )
                 )
                 print(
                     f"{bs:>4} {prefix_len:>6} {draft_tokens:>5} {upstream:>12.1f} "
-                    f"{short:>9.1f} {split:>9.1f} {upstream / short:>5.2f}x "
-                    f"{upstream / split:>5.2f}x",
+                    f"{short:>9.1f} {split:>9.1f} {split_other:>11.1f} "
+                    f"{upstream / short:>5.2f}x {upstream / split:>5.2f}x "
+                    f"{short / split:>12.2f}x",
                     flush=True,
                 )
     if a.out:

@@ -49,8 +49,11 @@ def test_the_plan_packs_the_gqa_group_and_splits_towards_one_program_per_sm(enab
     # bs 1 of a 32/8-head model, chain 1,3,4: 4 heads x 4 rows in a 16-row tile, 8 KV heads
     # x 16 splits = 128 partial programs.
     assert sp.plan_split_prefix(4, 1, 32, 8, 128, 128) == sp.SplitPlan(4, 4, 16, 16)
-    # tree 16,3,32: 4 x 32 = 128 rows; bs 4 -> 32 (request, KV head) pairs x 4 splits.
-    assert sp.plan_split_prefix(32, 4, 32, 8, 128, 128) == sp.SplitPlan(4, 32, 128, 4)
+    # tree 16,3,32: 4 x 32 = 128 rows, on eight warps; bs 4 -> 32 (request, KV head)
+    # pairs x 4 splits.
+    assert sp.plan_split_prefix(32, 4, 32, 8, 128, 128) == sp.SplitPlan(
+        4, 32, 128, 4, 8
+    )
     # Uneven lengths round up; a group of 3 pads its tile.
     assert sp.plan_split_prefix(3, 2, 24, 8, 64, 64) == sp.SplitPlan(3, 4, 16, 8)
     assert sp.plan_split_prefix(1, 1, 4, 4, 16, 16) == sp.SplitPlan(1, 1, 16, 16)
@@ -98,13 +101,18 @@ def test_only_plain_attention_over_a_visible_prefix_is_split(enabled):
 
 # The server's KV cache in bf16 for every case; in fp8 where the head dim allows it (triton's
 # fp8 dot needs 32 or more, upstream's extend kernel has the same limit), and at the
-# Llama-3-8B shape.
+# Llama-3-8B shape, with the wide tree's full 128-row tile on eight warps.
 LLAMA_VERIFY = split_prefix_cases.Case(
     "llama8b_tree4", (256,), (4,), 32, 8, 128, "tree"
 )
-COMPILE_CASES = [(c, torch.bfloat16) for c in split_prefix_cases.CASES] + [
+LLAMA_WIDE_TREE = split_prefix_cases.Case(
+    "llama8b_tree32", (256,), (32,), 32, 8, 128, "tree"
+)
+COMPILE_CASES = [
+    (c, torch.bfloat16) for c in [*split_prefix_cases.CASES, LLAMA_WIDE_TREE]
+] + [
     (c, torch.float8_e4m3fn)
-    for c in [*split_prefix_cases.CASES, LLAMA_VERIFY]
+    for c in [*split_prefix_cases.CASES, LLAMA_VERIFY, LLAMA_WIDE_TREE]
     if c.dim >= 32
 ]
 

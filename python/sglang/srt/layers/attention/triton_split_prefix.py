@@ -55,12 +55,20 @@ _ENABLED = enabled_by_env()
 class SplitPlan:
     """The launch shape: `group` query heads per KV head, `q_rows` rows per request (the
     longest extend, to a power of two), `tile_rows` = group x q_rows to a power of two (at
-    least 16, tl.dot's smallest), and `num_splits` prefix splits."""
+    least 16, tl.dot's smallest), `num_splits` prefix splits, and the partial kernel's
+    `num_warps`."""
 
     group: int
     q_rows: int
     tile_rows: int
     num_splits: int
+    num_warps: int = 4
+
+
+def partial_warps(tile_rows: int) -> int:
+    """Warps of a partial program: its fp32 output tile is tile_rows x head dim, and a full
+    128-row tile on four warps holds more than their registers."""
+    return 8 if tile_rows >= MAX_TILE_ROWS else 4
 
 
 def _next_power_of_2(n: int) -> int:
@@ -124,7 +132,7 @@ def plan_split_prefix(
         num_splits * 2 <= MAX_SPLITS and num_splits * 2 * per_split <= TARGET_PROGRAMS
     ):
         num_splits *= 2
-    return SplitPlan(group, q_rows, tile_rows, num_splits)
+    return SplitPlan(group, q_rows, tile_rows, num_splits, partial_warps(tile_rows))
 
 
 @triton.jit
@@ -553,7 +561,7 @@ def split_prefix_extend_attention(
         D=dim,
         USE_CUSTOM_MASK=use_custom_mask,
         IS_CAUSAL=is_causal,
-        num_warps=4,
+        num_warps=plan.num_warps,
         num_stages=1,
     )
     _merge_kernel[(batch_size, num_heads, plan.q_rows)](
