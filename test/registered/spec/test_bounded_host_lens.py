@@ -100,8 +100,8 @@ def test_servers_that_read_exact_host_lengths_keep_them(overrides, why):
 
 
 def test_flashinfer_and_fa3_take_bounds_only_when_asked(monkeypatch):
-    """Neither has run with bounds on a GPU: they take them only with the switch set to 1,
-    never by default."""
+    """Both are opt-in (bounded_host_lens.BOUNDS_BACKENDS_ON_REQUEST says why): they take
+    bounds only with the switch set to 1, never by default."""
     monkeypatch.delenv(bhl.ENV, raising=False)
     why = bhl.server_refusal(server(attention_backend="flashinfer"))
     assert why and f"{bhl.ENV}=1" in why and "flashinfer" in why
