@@ -93,6 +93,23 @@ def test_collected_modules_come_back_as_aot_modules(store, tmp_path):
     assert sorted(p.name for p in (package / "data/aot/norm").iterdir()) == ["norm.so"]
 
 
+def test_modules_install_without_the_headers_and_nothing_is_refused(store, tmp_path):
+    """Carried modules alone install (the headers stay home to save room); a store with
+    neither could run no FlashInfer kernel and is refused."""
+    module = tmp_path / "jit" / "norm"
+    module.mkdir(parents=True)
+    (module / "norm.so").write_bytes(b"compiled")
+    stage.collect(store, [tmp_path / "jit"])
+    (store / stage.HEADERS).unlink()
+    package = tmp_path / "host" / "flashinfer"
+    assert stage.install(store, package, "0.6.11.post1") == ["norm"]
+    assert (package / "data/aot/norm/norm.so").read_bytes() == b"compiled"
+    assert not (package / "data/cutlass").exists()
+    (store / stage.MODULES).unlink()
+    with pytest.raises(SystemExit, match="neither jit-headers.tar.xz nor"):
+        stage.install(store, package, "0.6.11.post1")
+
+
 # What sglang's flashinfer backend loaded on an H100 for the toy pair and the Qwen3 + EAGLE3 pair
 # (head_dim 64), with the mission-command server (launch_server) adding cascade and sampling
 # (flashinfer_stage collect, 2026-11-25): prebuild must make exactly these.
