@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang.srt.arg_groups.speculative_hook import resolve_chain_num_draft_tokens
 from sglang.srt.speculative.chain_draft import (
     ChainDraft,
     ChainDraftTable,
     chain_parents,
 )
+from sglang.srt.speculative.draft_shape import resolve_chain_num_draft_tokens
 from sglang.srt.speculative.eagle_utils import organize_draft_results
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 from sglang.srt.speculative.multi_layer_eagle_worker_v2 import (

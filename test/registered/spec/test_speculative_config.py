@@ -69,6 +69,7 @@ import logging  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 from sglang.srt.arg_groups import speculative_hook as hook  # noqa: E402
+from sglang.srt.speculative import draft_shape  # noqa: E402
 from sglang.srt.speculative.paged_tree_layout import (  # noqa: E402
     attention_page_size_of,
 )
@@ -378,7 +379,7 @@ def test_recurrent_targets_are_recognised():
     "topk,steps,expected", [(2, 1, 3), (4, 3, 37), (16, 5, 1 + 16 + 4 * 256), (1, 5, 6)]
 )
 def test_max_tree_draft_tokens(topk, steps, expected):
-    assert hook.max_tree_draft_tokens(topk, steps) == expected
+    assert draft_shape.max_tree_draft_tokens(topk, steps) == expected
 
 
 def test_server_args_refuse_a_dp_attention_tree_without_cuda_graphs(pair):
@@ -917,7 +918,7 @@ def _no_auto():
     "given,expected", COMPLETIONS, ids=[str(g) for g, _ in COMPLETIONS]
 )
 def test_complete_shape_table(given, expected):
-    shape = hook.complete_shape(*given, auto=_no_auto)
+    shape = draft_shape.complete_shape(*given, auto=_no_auto)
     assert (shape.topk, shape.num_steps, shape.num_draft_tokens) == expected
     assert shape.derived == tuple(
         flag for flag, g in zip((TOPK, STEPS, TOKENS), given) if g is None
@@ -937,14 +938,14 @@ def test_complete_shape_table(given, expected):
     ],
 )
 def test_complete_shape_caps_and_smallest_steps(given, expected):
-    shape = hook.complete_shape(*given, auto=_no_auto)
+    shape = draft_shape.complete_shape(*given, auto=_no_auto)
     assert (shape.topk, shape.num_steps, shape.num_draft_tokens) == expected
     topk, steps, tokens = expected
-    if given[1] is None and topk > 1 and steps > hook.DEFAULT_TREE_STEPS:
+    if given[1] is None and topk > 1 and steps > draft_shape.DEFAULT_TREE_STEPS:
         assert (
-            hook.max_tree_draft_tokens(topk, steps - 1)
+            draft_shape.max_tree_draft_tokens(topk, steps - 1)
             < tokens
-            <= hook.max_tree_draft_tokens(topk, steps)
+            <= draft_shape.max_tree_draft_tokens(topk, steps)
         )
 
 
@@ -955,12 +956,12 @@ def test_complete_shape_auto_chooses_only_when_nothing_is_set():
         calls.append(1)
         return 5, 4, 8  # (num_steps, topk, num_draft_tokens), upstream's order
 
-    shape = hook.complete_shape(None, None, None, auto=auto)
-    assert shape == hook.DraftShape(
+    shape = draft_shape.complete_shape(None, None, None, auto=auto)
+    assert shape == draft_shape.DraftShape(
         4, 5, 8, derived=(), auto_chosen=True
     ) and calls == [1]
-    full = hook.complete_shape(4, 5, 8, auto=_no_auto)
-    assert full == hook.DraftShape(4, 5, 8, derived=(), auto_chosen=False)
+    full = draft_shape.complete_shape(4, 5, 8, auto=_no_auto)
+    assert full == draft_shape.DraftShape(4, 5, 8, derived=(), auto_chosen=False)
 
 
 VALUES = [None, -1, 0, 1, 2, 3, 4, 16, 1024, 1025]
@@ -974,7 +975,7 @@ def test_complete_shape_returns_a_valid_shape_or_a_value_error_naming_a_flag(top
             if given == (None, None, None):
                 continue
             try:
-                shape = hook.complete_shape(*given, auto=_no_auto)
+                shape = draft_shape.complete_shape(*given, auto=_no_auto)
             except ValueError as error:
                 assert any(flag in str(error) for flag in (TOPK, STEPS, TOKENS)), (
                     given,
@@ -986,8 +987,8 @@ def test_complete_shape_returns_a_valid_shape_or_a_value_error_naming_a_flag(top
                 given,
                 completed,
             )
-            hook.check_shape(*completed)
-            assert shape.num_draft_tokens <= hook.MAX_DRAFT_TOKENS
+            draft_shape.check_shape(*completed)
+            assert shape.num_draft_tokens <= draft_shape.MAX_DRAFT_TOKENS
 
 
 def test_complete_eagle_shape_sets_the_fields_and_logs_once(caplog):

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from sglang.srt.arg_groups.speculative_hook import check_chain_shape
+from sglang.srt.speculative.draft_shape import check_chain_shape
 
 
 class DraftTree(NamedTuple):
