@@ -251,15 +251,27 @@ def plan_paged_prefill(
             non_blocking=True,
         )
         return
-    from flashinfer.prefill import get_batch_prefill_module
-
     unsplit_once = (
         unsplit_once and wrapper.is_cuda_graph_enabled and wrapper._backend == "fa2"
     )
     if unsplit_once and getattr(wrapper, "_unsplit_plan_shape", None) == (bs, width):
         _refresh_graph_buffers(wrapper, indptrs, kv_indices, last_page_len)
         return
-    q_data_type, kv_data_type = heads.q_data_type, heads.kv_data_type
+    total_num_rows = bs * width
+    _record_batch_shape(wrapper, heads, indptrs, width)
+    _place_plan_inputs(wrapper, indptrs, kv_indices, last_page_len, total_num_rows)
+    _run_compiled_plan(wrapper, heads, indptrs, total_num_rows, unsplit_once)
+    if unsplit_once:
+        wrapper._unsplit_plan_shape = (bs, width)
+    _record_attention_options(wrapper)
+
+
+def _record_batch_shape(
+    wrapper, heads: HeadConfig, indptrs: FixedWidthIndptrs, width: int
+) -> None:
+    """plan's record of the batch: sizes, head counts, each request's KV length and the
+    longest query and KV lengths (from the host values, not from a device read)."""
+    bs = indptrs.kv_lens.shape[0]
     wrapper._batch_size = bs
     wrapper._num_qo_heads = heads.num_qo_heads
     wrapper._num_kv_heads = heads.num_kv_heads
@@ -267,8 +279,7 @@ def plan_paged_prefill(
     wrapper._token_pos_in_items_ptr = None
     wrapper._token_pos_in_items_len = 0
     wrapper._max_item_len_ptr = None
-    total_num_rows = bs * width
-    wrapper._qo_indptr_last = total_num_rows
+    wrapper._qo_indptr_last = bs * width
     wrapper._max_q_len = width
     if bs > wrapper._kv_lens_buffer.shape[0]:
         wrapper._kv_lens_buffer = torch.empty(
@@ -276,6 +287,19 @@ def plan_paged_prefill(
         )
     wrapper._kv_lens_buffer[:bs].copy_(indptrs.kv_lens, non_blocking=True)
     wrapper._max_kv_len = indptrs.max_kv_len
+
+
+def _place_plan_inputs(
+    wrapper,
+    indptrs: FixedWidthIndptrs,
+    kv_indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    total_num_rows: int,
+) -> None:
+    """The index pointers and KV indices where the kernels read them: copied into a CUDA
+    graph's buffers (whose batch size and row budget must hold the batch), or the wrapper's own
+    device copies."""
+    bs = indptrs.kv_lens.shape[0]
     if wrapper.is_cuda_graph_enabled:
         if wrapper._max_total_num_rows is None:
             wrapper._max_total_num_rows = total_num_rows
@@ -289,16 +313,28 @@ def plan_paged_prefill(
                 f"batch size {bs} is not the CUDA graph's {wrapper._fixed_batch_size}"
             )
         _refresh_graph_buffers(wrapper, indptrs, kv_indices, last_page_len)
-    else:
-        device = wrapper.device
-        wrapper._qo_indptr_buf = indptrs.qo_indptr.to(device, non_blocking=True)
-        wrapper._paged_kv_indptr_buf = indptrs.kv_indptr.to(device, non_blocking=True)
-        wrapper._paged_kv_indices_buf = kv_indices.to(device, non_blocking=True)
-        wrapper._paged_kv_last_page_len_buf = last_page_len.to(
-            device, non_blocking=True
-        )
-        wrapper._custom_mask_buf = None
-        wrapper._mask_indptr_buf = None
+        return
+    device = wrapper.device
+    wrapper._qo_indptr_buf = indptrs.qo_indptr.to(device, non_blocking=True)
+    wrapper._paged_kv_indptr_buf = indptrs.kv_indptr.to(device, non_blocking=True)
+    wrapper._paged_kv_indices_buf = kv_indices.to(device, non_blocking=True)
+    wrapper._paged_kv_last_page_len_buf = last_page_len.to(device, non_blocking=True)
+    wrapper._custom_mask_buf = None
+    wrapper._mask_indptr_buf = None
+
+
+def _run_compiled_plan(
+    wrapper,
+    heads: HeadConfig,
+    indptrs: FixedWidthIndptrs,
+    total_num_rows: int,
+    unsplit: bool,
+) -> None:
+    """The compiled planner of the batch-prefill module for these types and head dims, called
+    with plan's arguments (split-KV off where `unsplit`); its answer is the plan."""
+    from flashinfer.prefill import get_batch_prefill_module
+
+    q_data_type, kv_data_type = heads.q_data_type, heads.kv_data_type
     wrapper._cached_q_data_type = q_data_type
     wrapper._cached_kv_data_type = kv_data_type
     wrapper._cached_o_data_type = q_data_type
@@ -316,6 +352,7 @@ def plan_paged_prefill(
         False,  # fp16 qk reduction
     )
     wrapper._block_tables = None
+    bs = indptrs.kv_lens.shape[0]
     args = [
         wrapper._float_workspace_buffer,
         wrapper._int_workspace_buffer,
@@ -335,14 +372,12 @@ def plan_paged_prefill(
         -1,  # window_left
     ]
     if wrapper._backend == "fa2":
-        args += [
-            -1,
-            unsplit_once,
-            0,
-        ]  # fixed split size, disable split-kv, colocated CTAs
+        args += [-1, unsplit, 0]  # fixed split size, disable split-kv, colocated CTAs
     wrapper._plan_info = wrapper._cached_module.plan(*args)
-    if unsplit_once:
-        wrapper._unsplit_plan_shape = (bs, width)
+
+
+def _record_attention_options(wrapper) -> None:
+    """plan's record of the attention it was planned for: plain, non-causal softmax."""
     wrapper._causal = False
     wrapper._pos_encoding_mode = "NONE"
     wrapper._use_fp16_qk_reduction = False
