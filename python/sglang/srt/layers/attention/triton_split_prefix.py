@@ -66,8 +66,9 @@ class SplitPlan:
 
 
 def partial_warps(tile_rows: int) -> int:
-    """Warps of a partial program: its fp32 output tile is tile_rows x head dim, and a full
-    128-row tile on four warps holds more than their registers."""
+    """Warps of a partial program. Its fp32 accumulator is tile_rows x head dim: for a full
+    128-row tile at head dim 128, 128 registers a thread on four warps before the query tile
+    and the scores; eight warps halve that."""
     return 8 if tile_rows >= MAX_TILE_ROWS else 4
 
 
