@@ -230,3 +230,40 @@ def test_fill_draft_decode_metadata_matches_upstreams_replay():
             cache_loc.view(-1, steps)[:, : step + 1].to(torch.int32),
         )
         assert (expand.page_table[:, step + 1 :] == 0).all()
+
+
+def test_prefix_pages_stay_within_the_page_table_row():
+    """Bounds on the host lengths may ask for pages past a row's width near the context
+    length: the copy stops at the width (the row below the table keeps its values) and every
+    real page is there."""
+    from sglang.srt.layers.attention.flashattention_backend import (
+        normal_decode_set_metadata,
+    )
+
+    bs, topk, steps, width = 2, 2, 3, 16
+    req_to_token = torch.arange(4 * (width + 8), dtype=torch.int32).view(4, width + 8)
+    req_pool_indices = torch.tensor([3, 1])
+    seq_lens = torch.tensor([width - 1, 5])
+    below = torch.full((bs + 1, width), -7, dtype=torch.int32)
+    prefix = SimpleNamespace(
+        cache_seqlens_int32=torch.zeros(bs, dtype=torch.int32),
+        cu_seqlens_k=torch.zeros(bs + 1, dtype=torch.int32),
+        page_table=below[:bs],
+    )
+    expand = SimpleNamespace(page_table=torch.zeros(bs * topk, 2, dtype=torch.int32))
+    fa3.fill_draft_decode_metadata(
+        prefix,
+        expand,
+        set_prefix=normal_decode_set_metadata,
+        seq_lens=seq_lens,
+        req_to_token=req_to_token,
+        req_pool_indices=req_pool_indices,
+        strided_indices=torch.arange(width + 8),
+        max_seq_pages=width + 6,  # a bound past the row
+        cache_loc=torch.zeros(bs * topk, steps, dtype=torch.int64),
+        decode_length=1,
+    )
+    assert torch.equal(prefix.page_table, req_to_token[req_pool_indices, :width])
+    assert (below[bs] == -7).all(), "a row's copy ran past the table"
+    assert fa3.page_table_columns(width + 6, prefix.page_table) == width
+    assert fa3.page_table_columns(3, prefix.page_table) == 3

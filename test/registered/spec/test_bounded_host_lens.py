@@ -317,6 +317,59 @@ def test_servers_with_bounded_host_lengths_stay_token_identical(
     assert bhl.BOUNDS_IN_USE in "".join(capfd.readouterr()), "bounds never applied"
 
 
+# A context short enough that every request of the test below runs into it.
+CONTEXT_LENGTH, PROMPT_LEN = 160, 124
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "spec",
+    [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
+    ids=lambda s: s.label,
+)
+def test_bounded_host_lengths_run_to_the_context_length(
+    small_pair, spec, backend, monkeypatch, capfd
+):
+    """Eight requests that generate until the context length stops them, at the graphs'
+    largest batch: there a bound passes every real length by up to a step's tokens, and FA3,
+    which copies page-table rows as wide as the bounds, must stop at a row's width
+    (fa3_tree_metadata.page_table_columns) or write into the next row, or past the table.
+    """
+    from specpatch.testing import synth
+
+    ask_for_bounds(monkeypatch, backend)
+    target, draft = small_pair
+    vocab = synth.load_meta(target)["spec"]["vocab"]
+    prompts = eng.random_prompts(
+        8, vocab, min_len=PROMPT_LEN, max_len=PROMPT_LEN, seed=23
+    )
+    kwargs = eng.engine_kwargs(
+        target,
+        draft,
+        spec,
+        max_running_requests=8,
+        cuda_graph_bs=[1, 2, 4, 8],
+        context_length=CONTEXT_LENGTH,
+        allow_auto_truncate=True,
+        attention_backend=backend,
+        log_level="info",
+    )
+    with eng.engine(**kwargs) as e:
+        run = eng.generate(e, prompts, CONTEXT_LENGTH - PROMPT_LEN)
+    lengths = [len(out) for out in run.output_ids]
+    # The scheduler stops a request 2 tokens short of the context length.
+    assert (
+        min(lengths) >= CONTEXT_LENGTH - PROMPT_LEN - 2 - spec.num_draft_tokens
+    ), lengths
+    expected = [
+        synth.table_continuations(target, [prompt], n)[0]
+        for prompt, n in zip(prompts, lengths)
+    ]
+    eng.assert_identical(run, expected, f"context length {CONTEXT_LENGTH}")
+    assert bhl.BOUNDS_IN_USE in "".join(capfd.readouterr()), "bounds never applied"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.timeout(420)

@@ -30,6 +30,7 @@ NAMES = [
     ),
     "test_fill_tree_verify_metadata_writes_the_prefix_with_upstreams_fused_kernel",
     "test_fill_draft_decode_metadata_matches_upstreams_replay",
+    "test_prefix_pages_stay_within_the_page_table_row",
 ]
 
 # Upstream's normal_decode_set_metadata kernel bounds a loop by a one-element array, which the

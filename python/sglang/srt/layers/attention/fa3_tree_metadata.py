@@ -12,6 +12,8 @@ its mask row and writes its page-table row and visible count. A tree draft step'
 instead of four ops.
 
 Page size 1 only: spec v2 trees run at page size 1, and there a page-table entry is a KV slot.
+Every replay's page-table copy, the chain draft decode's too, stays within a row's width
+(page_table_columns).
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def _fill_prefix(
 ) -> None:
     """The prefix half: every query row of a request sees its seq_len prefix slots (no length
     delta, page size 1)."""
+    columns = page_table_columns(max_seq_pages, metadata.page_table)
     set_prefix(
         metadata.cache_seqlens_int32,
         metadata.cu_seqlens_k,
@@ -125,11 +128,20 @@ def _fill_prefix(
         req_to_token,
         req_pool_indices,
         strided_indices,
-        max_seq_pages,
+        columns,
         seq_lens,
         0,
         1,
     )
+
+
+def page_table_columns(max_seq_pages: int, page_table: torch.Tensor) -> int:
+    """How many columns of each page-table row a replay fills: max_seq_pages, at most the
+    row's width. Host lengths that are bounds (speculative/bounded_host_lens.py) can ask for a
+    few pages past the width near the context length, where no real length reaches, and
+    upstream's fused copy (normal_decode_set_metadata) would write them into the next row.
+    """
+    return min(max_seq_pages, page_table.shape[1])
 
 
 def fill_tree_verify_metadata(
