@@ -66,10 +66,10 @@ _ENABLED = enabled_by_env()
 # bounds while the lengths its kernels read are rewritten on the device
 # (docs/flashinfer-overlap.md), and its draft decode moves to the tensor-core kernel, measured
 # on Hopper only. FA3's graph replay reads them as the width of the page-table rows it copies
-# (max_seq_len_k), the kernels reading the device lengths; its upstream copy kernel does not
-# clamp that width to the page table's, and whether a bound can pass it near the context
-# length is not yet checked. Both pass the GPU identity and retraction tests with bounds
-# (docs/benchmarks.md).
+# (max_seq_len_k), the kernels reading the device lengths; near the context length a bound can
+# pass the table's width, and the copies now stop there (fa3_tree_metadata.page_table_columns),
+# which test_bounded_host_lengths_run_to_the_context_length has yet to run on a GPU. Both pass
+# the GPU identity and retraction tests with bounds (docs/benchmarks.md).
 BOUNDS_BACKENDS = frozenset({"triton"})
 BOUNDS_BACKENDS_ON_REQUEST = frozenset({"flashinfer", "fa3"})
 # Set once this process has issued bounds: only then may an eager draft extend see them.
