@@ -186,18 +186,45 @@ def test_fill_tree_verify_metadata_writes_the_prefix_with_upstreams_fused_kernel
     assert torch.equal(expand.cache_seqlens_int32, ref_counts)
 
 
-def test_fill_draft_decode_metadata_matches_upstreams_replay():
+def fill_draft_step(
+    prefix,
+    expand,
+    seq_lens,
+    req_to_token,
+    req_pool_indices,
+    max_seq_pages,
+    cache_loc,
+    step,
+):
+    """fill_draft_decode_metadata for draft step `step` (cache_loc: [bs * topk, num_steps])
+    with upstream's fused prefix kernel, the strided indices covering every req_to_token
+    column."""
     from sglang.srt.layers.attention.flashattention_backend import (
         normal_decode_set_metadata,
     )
 
+    fa3.fill_draft_decode_metadata(
+        prefix,
+        expand,
+        set_prefix=normal_decode_set_metadata,
+        seq_lens=seq_lens,
+        req_to_token=req_to_token,
+        req_pool_indices=req_pool_indices,
+        strided_indices=torch.arange(req_to_token.shape[1]),
+        max_seq_pages=max_seq_pages,
+        cache_loc=cache_loc,
+        decode_length=step + 1,
+    )
+
+
+def test_fill_draft_decode_metadata_matches_upstreams_replay():
     gen = torch.Generator().manual_seed(2)
     bs, topk, steps, width = 3, 4, 3, 64
     req_to_token = torch.randperm(8 * width, generator=gen).view(8, width)
     req_to_token = req_to_token.to(torch.int32)
     req_pool_indices = torch.tensor([5, 0, 2])
     seq_lens = torch.tensor([7, 33, 1])
-    cache_loc = torch.randint(0, 999, (bs * topk * steps,), generator=gen)
+    cache_loc = torch.randint(0, 999, (bs * topk, steps), generator=gen)
     for step in range(steps):
         prefix = SimpleNamespace(
             cache_seqlens_int32=torch.zeros(bs, dtype=torch.int32),
@@ -207,17 +234,15 @@ def test_fill_draft_decode_metadata_matches_upstreams_replay():
         expand = SimpleNamespace(
             page_table=torch.zeros(bs * topk, step + 2, dtype=torch.int32)
         )
-        fa3.fill_draft_decode_metadata(
+        fill_draft_step(
             prefix,
             expand,
-            set_prefix=normal_decode_set_metadata,
-            seq_lens=seq_lens,
-            req_to_token=req_to_token,
-            req_pool_indices=req_pool_indices,
-            strided_indices=torch.arange(width),
-            max_seq_pages=33,
-            cache_loc=cache_loc.view(-1, steps),
-            decode_length=step + 1,
+            seq_lens,
+            req_to_token,
+            req_pool_indices,
+            33,
+            cache_loc,
+            step,
         )
         # Upstream's replay at page size 1.
         assert torch.equal(prefix.cache_seqlens_int32, seq_lens.to(torch.int32))
@@ -227,7 +252,7 @@ def test_fill_draft_decode_metadata_matches_upstreams_replay():
         assert (prefix.page_table[:, 33:] == -1).all()
         assert torch.equal(
             expand.page_table[:, : step + 1],
-            cache_loc.view(-1, steps)[:, : step + 1].to(torch.int32),
+            cache_loc[:, : step + 1].to(torch.int32),
         )
         assert (expand.page_table[:, step + 1 :] == 0).all()
 
@@ -236,10 +261,6 @@ def test_prefix_pages_stay_within_the_page_table_row():
     """Bounds on the host lengths may ask for pages past a row's width near the context
     length: the copy stops at the width (the row below the table keeps its values) and every
     real page is there."""
-    from sglang.srt.layers.attention.flashattention_backend import (
-        normal_decode_set_metadata,
-    )
-
     bs, topk, steps, width = 2, 2, 3, 16
     req_to_token = torch.arange(4 * (width + 8), dtype=torch.int32).view(4, width + 8)
     req_pool_indices = torch.tensor([3, 1])
@@ -251,17 +272,17 @@ def test_prefix_pages_stay_within_the_page_table_row():
         page_table=below[:bs],
     )
     expand = SimpleNamespace(page_table=torch.zeros(bs * topk, 2, dtype=torch.int32))
-    fa3.fill_draft_decode_metadata(
+    cache_loc = torch.zeros(bs * topk, steps, dtype=torch.int64)
+    bound_past_the_row = width + 6
+    fill_draft_step(
         prefix,
         expand,
-        set_prefix=normal_decode_set_metadata,
-        seq_lens=seq_lens,
-        req_to_token=req_to_token,
-        req_pool_indices=req_pool_indices,
-        strided_indices=torch.arange(width + 8),
-        max_seq_pages=width + 6,  # a bound past the row
-        cache_loc=torch.zeros(bs * topk, steps, dtype=torch.int64),
-        decode_length=1,
+        seq_lens,
+        req_to_token,
+        req_pool_indices,
+        bound_past_the_row,
+        cache_loc,
+        step=0,
     )
     assert torch.equal(prefix.page_table, req_to_token[req_pool_indices, :width])
     assert (below[bs] == -7).all(), "a row's copy ran past the table"

@@ -277,6 +277,13 @@ BACKENDS = [
 ]
 
 
+CHAIN_AND_WIDE_TREE = pytest.mark.parametrize(
+    "spec",
+    [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
+    ids=lambda s: s.label,
+)
+
+
 def ask_for_bounds(monkeypatch, backend: str) -> None:
     """The switch as a user of `backend` gets bounds: unset (the default) on triton, 1 on the
     backends that take them only on request (the engine's processes read it at start-up).
@@ -289,11 +296,7 @@ def ask_for_bounds(monkeypatch, backend: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(
-    "spec",
-    [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
-    ids=lambda s: s.label,
-)
+@CHAIN_AND_WIDE_TREE
 def test_servers_with_bounded_host_lengths_stay_token_identical(
     small_pair, spec, backend, monkeypatch, record_metric, capfd
 ):
@@ -323,11 +326,7 @@ CONTEXT_LENGTH, PROMPT_LEN = 160, 124
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(
-    "spec",
-    [eng.SpecConfig(1, 3, 4), eng.SpecConfig(16, 3, 32)],
-    ids=lambda s: s.label,
-)
+@CHAIN_AND_WIDE_TREE
 def test_bounded_host_lengths_run_to_the_context_length(
     small_pair, spec, backend, monkeypatch, capfd
 ):
