@@ -139,3 +139,29 @@ def test_pages_stay_for_spec_v1_trees_and_for_no_tree():
     runner.server_args.disable_overlap_schedule = False
     runner.server_args.speculative_eagle_topk = 1
     assert FlashAttentionBackend(runner).page_size == PAGE
+
+
+@pytest.mark.parametrize("topk", [1, TOPK], ids=["chain", "tree"])
+def test_graph_page_tables_hold_the_columns_past_the_context_length(topk):
+    """A speculative step near the context length reads up to a step's tokens past it, from
+    req_to_token's extra columns: every page table the CUDA graphs copy rows into must be as
+    wide as those rows, or the last row's reads run past the table."""
+    extra = NUM_DRAFT_TOKENS + 8
+    rows = torch.arange(4 * (ROW_LEN + extra), dtype=torch.int32).view(4, -1)
+    runner = model_runner(rows, overlap=True)
+    runner.server_args.speculative_eagle_topk = topk
+    runner.page_size = 1
+    backend = FlashAttentionBackend(runner, topk=topk, speculative_num_steps=NUM_STEPS)
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * NUM_DRAFT_TOKENS)
+    tables = {
+        "decode": backend.decode_cuda_graph_metadata["page_table"],
+        "target_verify": backend.target_verify_metadata["page_table"],
+    }
+    if topk > 1:
+        tables["draft_decode_prefix"] = backend.draft_decode_metadata_topk_normal[
+            "page_table"
+        ]
+    for name, table in tables.items():
+        assert table.shape[1] == ROW_LEN + extra, name
+    strided = backend.decode_cuda_graph_metadata["strided_indices"]
+    assert int(strided[-1]) == ROW_LEN + extra - 1
