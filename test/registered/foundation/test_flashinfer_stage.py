@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from specpatch.gpu_host import flashinfer_stage as stage
+from specpatch.testing import engine as eng
 
 WHEEL_FILES = {
     "flashinfer/__init__.py": "",
@@ -102,7 +103,12 @@ def test_modules_install_without_the_headers_and_nothing_is_refused(store, tmp_p
     stage.collect(store, [tmp_path / "jit"])
     (store / stage.HEADERS).unlink()
     package = tmp_path / "host" / "flashinfer"
+    assert "neither JIT headers nor compiled modules" in eng.flashinfer_kernels_missing(
+        package
+    )
     assert stage.install(store, package, "0.6.11.post1") == ["norm"]
+    # The GPU tests run on the modules alone (one they lack fails to compile, not skips).
+    assert eng.flashinfer_kernels_missing(package) is None
     assert (package / "data/aot/norm/norm.so").read_bytes() == b"compiled"
     assert not (package / "data/cutlass").exists()
     (store / stage.MODULES).unlink()

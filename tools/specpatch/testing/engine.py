@@ -25,7 +25,8 @@ BUNDLE_FLAGS = dict(
 
 def flashinfer_unavailable() -> Optional[str]:
     """Why FlashInfer's kernels cannot run here, or None: they JIT-compile against headers the
-    GPU bundle drops (specpatch.gpu_host.flashinfer_stage ships them, and modules compiled before).
+    GPU bundle drops, or load modules compiled before; specpatch.gpu_host.flashinfer_stage ships
+    either (with modules only, a kernel not among them fails to compile rather than skip).
     """
     import torch
 
@@ -35,10 +36,18 @@ def flashinfer_unavailable() -> Optional[str]:
         import flashinfer
     except ImportError as exc:
         return str(exc)
-    data = Path(flashinfer.__file__).parent / "data"
-    if not (data / "cutlass").is_dir():
-        return "flashinfer has no JIT headers here (the GPU bundle drops them); specpatch.gpu_host.flashinfer_stage ships them"
-    return None
+    return flashinfer_kernels_missing(Path(flashinfer.__file__).parent)
+
+
+def flashinfer_kernels_missing(package: Path) -> Optional[str]:
+    """Why the flashinfer package at `package` can build or load no kernel, or None."""
+    data = package / "data"
+    if (data / "cutlass").is_dir() or any((data / "aot").glob("*")):
+        return None
+    return (
+        "flashinfer has neither JIT headers nor compiled modules here (the GPU bundle drops "
+        "both); specpatch.gpu_host.flashinfer_stage ships them"
+    )
 
 
 def fa3_unavailable() -> Optional[str]:
