@@ -325,19 +325,32 @@ CONTEXT_LENGTH, PROMPT_LEN = 160, 124
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "backend,lengths",
+    [
+        ("triton", "bounds"),
+        pytest.param("flashinfer", "bounds", marks=FLASHINFER_SKIP),
+        pytest.param("fa3", "bounds", marks=FA3_SKIP),
+        pytest.param("fa3", "exact", marks=FA3_SKIP),
+    ],
+)
 @CHAIN_AND_WIDE_TREE
-def test_bounded_host_lengths_run_to_the_context_length(
-    small_pair, spec, backend, monkeypatch, capfd
+def test_spec_v2_runs_to_the_context_length(
+    small_pair, spec, backend, lengths, monkeypatch, capfd
 ):
     """Eight requests that generate until the context length stops them, at the graphs'
-    largest batch: there a bound passes every real length by up to a step's tokens, and FA3,
-    which copies page-table rows as wide as the bounds, must stop at a row's width
-    (fa3_tree_metadata.page_table_columns) or write into the next row, or past the table.
+    largest batch. A step there reads up to its tokens past the context length, from
+    req_to_token's extra columns, which FA3's page tables must be as wide as; and a bound
+    passes every real length by up to a step's tokens, where FA3's copies of page-table rows
+    must stop at a row's width (fa3_tree_metadata.page_table_columns). FA3 with exact lengths
+    tells its bounds apart from what any FA3 spec v2 run meets there.
     """
     from specpatch.testing import synth
 
-    ask_for_bounds(monkeypatch, backend)
+    if lengths == "exact":
+        monkeypatch.setenv(bhl.ENV, "0")
+    else:
+        ask_for_bounds(monkeypatch, backend)
     target, draft = small_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = eng.random_prompts(
@@ -356,17 +369,18 @@ def test_bounded_host_lengths_run_to_the_context_length(
     )
     with eng.engine(**kwargs) as e:
         run = eng.generate(e, prompts, CONTEXT_LENGTH - PROMPT_LEN)
-    lengths = [len(out) for out in run.output_ids]
+    generated = [len(out) for out in run.output_ids]
     # The scheduler stops a request 2 tokens short of the context length.
     assert (
-        min(lengths) >= CONTEXT_LENGTH - PROMPT_LEN - 2 - spec.num_draft_tokens
-    ), lengths
+        min(generated) >= CONTEXT_LENGTH - PROMPT_LEN - 2 - spec.num_draft_tokens
+    ), generated
     expected = [
         synth.table_continuations(target, [prompt], n)[0]
-        for prompt, n in zip(prompts, lengths)
+        for prompt, n in zip(prompts, generated)
     ]
     eng.assert_identical(run, expected, f"context length {CONTEXT_LENGTH}")
-    assert bhl.BOUNDS_IN_USE in "".join(capfd.readouterr()), "bounds never applied"
+    bounds_applied = bhl.BOUNDS_IN_USE in "".join(capfd.readouterr())
+    assert bounds_applied == (lengths == "bounds"), (lengths, bounds_applied)
 
 
 @pytest.mark.gpu
