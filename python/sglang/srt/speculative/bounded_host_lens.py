@@ -60,19 +60,18 @@ def requested_by_env(environ=os.environ) -> bool:
 
 _ENABLED = enabled_by_env()
 
-# Attention backends whose spec v2 decode metadata may be built from bounds: triton reads the
-# host lengths only as sizes. Two more take bounds only when the user asks
-# (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1). FlashInfer plans from them, sizing the work from the
-# bounds while the lengths its kernels read are rewritten on the device
+# Attention backends whose spec v2 decode metadata may be built from bounds. Triton reads the
+# host lengths only as sizes. FA3's graph replay reads them as the width of the page-table rows
+# it copies (max_seq_len_k), its kernels reading the device lengths; its tables are as wide as
+# req_to_token's rows and the copies stop at that width (fa3_tree_metadata.page_table_columns),
+# so a bound past a real length copies columns no kernel reads. FlashInfer takes bounds only
+# when the user asks (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1): it plans from them, sizing the work
+# from the bounds while the lengths its kernels read are rewritten on the device
 # (docs/flashinfer-overlap.md), and its draft decode moves to the tensor-core kernel, measured
-# on Hopper only. FA3's graph replay reads them as the width of the page-table rows it copies
-# (max_seq_len_k), the kernels reading the device lengths; near the context length a bound can
-# pass the table's width, and the copies stop there (fa3_tree_metadata.page_table_columns).
-# Both pass the GPU identity and retraction tests with bounds (docs/benchmarks.md); FA3 stays
-# opt-in while its spec v2 fails test_spec_v2_runs_to_the_context_length, with exact lengths
-# too, and flashinfer until that test has run on it.
-BOUNDS_BACKENDS = frozenset({"triton"})
-BOUNDS_BACKENDS_ON_REQUEST = frozenset({"flashinfer", "fa3"})
+# on Hopper only; and its tree 16,3,32 fails test_spec_v2_runs_to_the_context_length with
+# bounds (an out-of-range gather), where its chain and FA3 and triton pass.
+BOUNDS_BACKENDS = frozenset({"triton", "fa3"})
+BOUNDS_BACKENDS_ON_REQUEST = frozenset({"flashinfer"})
 # Set once this process has issued bounds: only then may an eager draft extend see them.
 _bounds_issued = False
 
@@ -95,8 +94,8 @@ def server_refusal(server_args) -> Optional[str]:
                 f"{ENV}=1 (opt-in)"
             )
         return (
-            f"attention backends {sorted(backends)}: only triton (and flashinfer or fa3 "
-            f"with {ENV}=1) take bounds"
+            f"attention backends {sorted(backends)}: only triton and fa3 (and "
+            f"flashinfer with {ENV}=1) take bounds"
         )
     if server_args.disable_cuda_graph:
         return "no CUDA graphs: eager metadata reads the host lengths"
