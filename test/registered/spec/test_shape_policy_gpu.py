@@ -12,7 +12,7 @@ import requests
 
 from specpatch.testing import engine as eng
 from specpatch.testing import synth
-from specpatch.testing.marks import TREE_BACKENDS, TWO_GPUS
+from specpatch.testing.marks import FA3_SKIP, TREE_BACKENDS, TWO_GPUS
 
 pytestmark = pytest.mark.gpu
 
@@ -30,8 +30,8 @@ def prompts(toy_pair):
     return eng.random_prompts(max(BATCH_SIZES), vocab, seed=3)
 
 
-def policy_kwargs(tmp_path, target, draft, **config_and_engine):
-    config = {"shapes": SHAPES}
+def policy_kwargs(tmp_path, target, draft, shapes=SHAPES, **config_and_engine):
+    config = {"shapes": shapes}
     for key in ("force_switch_every", "patience", "margin"):
         if key in config_and_engine:
             config[key] = config_and_engine.pop(key)
@@ -87,9 +87,52 @@ def test_forced_switches_keep_token_identity(
     assert all(1.0 < a <= 4.0 for a in accept.values()), accept
 
 
-def test_retraction_under_switching_keeps_identity_and_leaks_nothing(
-    toy_pair, tmp_path, capfd, record_metric
+@pytest.mark.parametrize("backend", ["triton", pytest.param("fa3", marks=FA3_SKIP)])
+@pytest.mark.parametrize(
+    "shapes,every",
+    [
+        (["16,3,32", "none", "1,3,4"], 3),
+        # A `none` run longer than the draft's ring (32 rows): it catches up inside the run.
+        (["none", "16,3,32"], 40),
+    ],
+    ids=["short-runs", "run-past-the-ring"],
+)
+def test_forced_switches_through_none_keep_token_identity(
+    toy_pair, prompts, tmp_path, capfd, record_metric, backend, shapes, every
 ):
+    """Steps without speculation (plain_decode_steps) between speculating ones: the target's
+    DECODE graphs, the draft rows owed and caught up, must leave the output the target's.
+    """
+    target, draft = toy_pair
+    expected = synth.table_continuations(target, prompts, MAX_NEW_TOKENS)
+    kwargs = policy_kwargs(
+        tmp_path,
+        target,
+        draft,
+        shapes=shapes,
+        force_switch_every=every,
+        attention_backend=backend,
+    )
+    with eng.engine(**kwargs) as e:
+        accept = {}
+        for bs in BATCH_SIZES:
+            run = eng.generate(e, prompts[:bs], MAX_NEW_TOKENS)
+            eng.assert_identical(run, expected[:bs], f"{backend} bs {bs}")
+            accept[bs] = round(run.accept_length, 3)
+    seen = switches("".join(capfd.readouterr()))
+    record_metric("accept_length_by_bs", accept)
+    assert any(b == "none" for _, b, _ in seen), "no step ran without speculation"
+    assert any(a == "none" for a, _, _ in seen), "speculation never resumed"
+
+
+@pytest.mark.parametrize(
+    "shapes", [SHAPES, SHAPES + ["none"]], ids=["speculating", "with-none"]
+)
+def test_retraction_under_switching_keeps_identity_and_leaks_nothing(
+    toy_pair, tmp_path, capfd, record_metric, shapes
+):
+    """With "none" in the set, requests are retracted and re-prefilled while they owe the
+    draft rows (plain_decode_steps): a re-prefill must start them owing nothing."""
     target, draft = toy_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     many = eng.random_prompts(256, vocab, seed=7, min_len=16, max_len=96)
@@ -98,6 +141,7 @@ def test_retraction_under_switching_keeps_identity_and_leaks_nothing(
         tmp_path,
         target,
         draft,
+        shapes=shapes,
         force_switch_every=2,
         max_running_requests=256,
         max_total_tokens=12000,

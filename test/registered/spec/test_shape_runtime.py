@@ -67,7 +67,6 @@ def test_a_config_with_shapes_is_read_and_checked(tmp_path):
     "raw,match",
     [
         ({"shapes": ["16,3,32", "1,3,4"], "candidate_steps": [1, 3]}, "unknown keys"),
-        ({"shapes": ["16,3,32", "none"]}, '"none" in "shapes" is not supported yet'),
         ({"shapes": ["16,3,32", "1,3,4"], "force_switch_every": -1}, "force_switch"),
         ({"shapes": ["16,3,32"]}, "at least two shapes"),
         ({"shapes": ["16,3,32", "16,3"]}, "is not TOPK,STEPS,DRAFT_TOKENS"),

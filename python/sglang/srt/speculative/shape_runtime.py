@@ -102,11 +102,6 @@ def read_shape_policy(
             f'{CONFIG_FLAG} {path}: unknown keys {unknown} next to "shapes" '
             f"(known: {sorted(POLICY_KEYS)})"
         )
-    if any(Shape.parse(s) == NONE for s in raw["shapes"] if isinstance(s, str)):
-        raise ValueError(
-            f'{CONFIG_FLAG} {path}: "none" in "shapes" is not supported yet: the draft '
-            "extend of a step without speculation has no runtime state (docs/shape-policy.md)"
-        )
     every = raw.get("force_switch_every", 0)
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ValueError(
@@ -187,6 +182,18 @@ def policy_unsupported(
             return (
                 f'"step_costs" with {flag} {size} (ranks choosing from their own step '
                 "times would choose apart)"
+            )
+    if NONE in config.policy.shapes:
+        from sglang.srt.speculative.plain_decode_steps import PLAIN_DECODE_BACKENDS
+
+        backends = {
+            server_args.attention_backend,
+            getattr(server_args, "decode_attention_backend", None),
+        } - {None}
+        if not backends <= PLAIN_DECODE_BACKENDS:
+            return (
+                f'--attention-backend in {sorted(PLAIN_DECODE_BACKENDS)} for "none" in '
+                f'"shapes", got {sorted(backends)}'
             )
     for flag, on in (
         ("--enable-dp-attention", server_args.enable_dp_attention),
@@ -280,6 +287,9 @@ def build_shape_runtime_state(worker, shape: Shape) -> ShapeRuntimeState:
     build_adaptive_runtime_state with the topk overridden too."""
     from sglang.srt.speculative.chain_draft import ChainDraftTable
 
+    if not shape.speculates:
+        return build_plain_decode_state(worker)
+
     dw, sa = worker.draft_worker, worker.server_args
     saved = (worker.topk, dw.topk, sa.speculative_eagle_topk, dw.chain_drafts)
     worker.topk = dw.topk = sa.speculative_eagle_topk = shape.topk
@@ -291,6 +301,35 @@ def build_shape_runtime_state(worker, shape: Shape) -> ShapeRuntimeState:
         return ShapeRuntimeState(shape, runtime, dw.chain_drafts)
     finally:
         worker.topk, dw.topk, sa.speculative_eagle_topk, dw.chain_drafts = saved
+
+
+def build_plain_decode_state(worker) -> ShapeRuntimeState:
+    """`none`'s runtime (plain_decode_steps): a target attention backend of its own and CUDA
+    graphs captured in DECODE mode, one token a request with its hidden state kept. A `none`
+    step runs no draft: the draft's fields stay those of the shape that ran before."""
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+    from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
+    runner = worker.target_worker.model_runner
+    backup_init = runner.init_new_workspace
+    try:
+        backend = runner._get_attention_backend(init_new_workspace=True)
+    finally:
+        runner.init_new_workspace = backup_init
+    graph_runner = None
+    if not worker.server_args.disable_cuda_graph:
+        graph_runner = CudaGraphRunner(runner, attn_backend=backend, plain_decode=True)
+    runtime = SpecRuntimeState(
+        speculative_num_steps=NONE.num_steps,
+        speculative_num_draft_tokens=NONE.num_draft_tokens,
+        draft_attn_backend=None,
+        cuda_graph_runner=None,
+        target_attn_backend=backend,
+        target_graph_runner=graph_runner,
+        draft_extend_attn_backend=None,
+        cuda_graph_runner_for_draft_extend=None,
+    )
+    return ShapeRuntimeState(NONE, runtime, None)
 
 
 def current_runtime_state(worker, shape: Shape) -> ShapeRuntimeState:
@@ -317,8 +356,15 @@ def current_runtime_state(worker, shape: Shape) -> ShapeRuntimeState:
 
 def apply_shape_runtime_state(worker, state: ShapeRuntimeState) -> None:
     """Point an EAGLEWorkerV2 at `state`. Unlike upstream's apply_runtime_state this also
-    switches between shapes of equal num_steps (tree 16,3,32 and chain 1,3,4)."""
+    switches between shapes of equal num_steps (tree 16,3,32 and chain 1,3,4). `none` swaps
+    the target's backend and graphs only: its steps run no draft, and the shape after it
+    applies all of its own."""
     shape, rs = state.shape, state.runtime
+    if not shape.speculates:
+        runner = worker.target_worker.model_runner
+        runner.attn_backend = rs.target_attn_backend
+        runner.graph_runner = rs.target_graph_runner
+        return
     dw, sa = worker.draft_worker, worker.server_args
     for obj in (worker, dw):
         obj.topk = shape.topk
@@ -456,6 +502,7 @@ class ShapeController:
         if config.step_costs is None:
             self._clock = clock if clock is not None else DeviceStepClock()
         self._speculating = shapes
+        self._shapes = config.policy.shapes
         self._states: dict[Shape, ShapeRuntimeState] = {}
         self._active = initial
         self._metrics = metrics
@@ -471,24 +518,34 @@ class ShapeController:
         self._states[state.shape] = state
 
     def init_states(self) -> None:
-        """Build a runtime state for every speculating shape not registered yet."""
-        for shape in self._speculating:
+        """Build a runtime state for every shape not registered yet."""
+        for shape in self._shapes:
             if shape not in self._states:
                 self._states[shape] = self.worker.build_shape_runtime_state(shape)
 
-    def before_decode(self, bs: int) -> Shape:
-        """The shape of the decode step about to launch at batch size bs, applied."""
+    @property
+    def catch_up_runner(self):
+        """The widest speculating shape's draft-extend CUDA graph runner (or None): the draft
+        catches up on rows owed by `none` steps through it (plain_decode_steps.catch_up).
+        """
+        widest = max(self._speculating, key=lambda s: s.num_draft_tokens)
+        return self._states[widest].runtime.cuda_graph_runner_for_draft_extend
+
+    def before_decode(self, bs: int, plain_allowed: bool = True) -> Shape:
+        """The shape of the decode step about to launch at batch size bs, applied.
+        plain_allowed False: the batch must speculate (plain_decode_allowed), so `none` gives
+        way to the best speculating shape."""
         self._decode_steps += 1
         every = self.config.force_switch_every
         if every:
-            shape = self._speculating[
-                (self._decode_steps - 1) // every % len(self._speculating)
-            ]
+            shape = self._shapes[(self._decode_steps - 1) // every % len(self._shapes)]
         else:
             probes = self.policy.counters.probes
             shape = self.policy.choose(bs)
             if self._metrics is not None and self.policy.counters.probes > probes:
                 self._metrics.probed()
+        if not shape.speculates and not plain_allowed:
+            shape = max(self._speculating, key=lambda s: (self.policy.score(s, bs), s))
         if shape != self._active:
             self.worker.apply_shape_runtime_state(self._states[shape])
             logger.info(
@@ -533,7 +590,7 @@ class ShapeController:
                 self.policy.observe_step_time(launch.shape, launch.bs, seconds)
         if self._trace is not None:
             scores = {
-                s.label: self.policy.score(s, launch.bs) for s in self._speculating
+                s.label: self.policy.score(s, launch.bs) for s in self._shapes
             }
             mean = sum(accept_lengths) / len(accept_lengths)
             self._trace.result(self._decode_steps, launch, seconds, mean, scores)
@@ -567,6 +624,19 @@ def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
     )
     controller.register(current_runtime_state(worker, initial))
     return controller
+
+
+def make_plain_decode_steps(server_args, req_to_token_pool):
+    """The `none` steps of a worker whose shape policy has `none` in its set, or None."""
+    from sglang.srt.speculative.plain_decode_steps import PlainDecodeSteps
+
+    config = shape_policy_of(server_args)
+    if config is None or NONE not in config.policy.shapes:
+        return None
+    return PlainDecodeSteps(
+        num_slots=req_to_token_pool.size,
+        width=reserved_num_draft_tokens(server_args),
+    )
 
 
 # ----------------------------------------------------------------------------- metrics
