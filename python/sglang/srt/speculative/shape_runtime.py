@@ -589,9 +589,7 @@ class ShapeController:
             if seconds is not None:
                 self.policy.observe_step_time(launch.shape, launch.bs, seconds)
         if self._trace is not None:
-            scores = {
-                s.label: self.policy.score(s, launch.bs) for s in self._shapes
-            }
+            scores = {s.label: self.policy.score(s, launch.bs) for s in self._shapes}
             mean = sum(accept_lengths) / len(accept_lengths)
             self._trace.result(self._decode_steps, launch, seconds, mean, scores)
 
