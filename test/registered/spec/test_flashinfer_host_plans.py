@@ -12,6 +12,7 @@ import torch
 
 from sglang.srt.layers.attention.flashinfer_host_plans import (
     draft_decode_indptrs,
+    draft_decode_kv_slots,
     fixed_width_indptrs,
     fixed_width_kv_lens,
 )
@@ -336,3 +337,23 @@ def test_the_draft_decode_is_planned_at_capture_only_on_tensor_cores_when_unspli
     got = draft_decode_planned_at_capture_only(steps, unsplit_plan=unsplit_plan)
     assert got is planned_at_capture_only
     assert [s.disable_cuda_graph_kv_split for s in steps] == [got] * len(steps)
+
+
+@pytest.mark.parametrize("topk", [1, 4, 16])
+def test_the_draft_decode_slot_buffer_holds_requests_at_the_row_width(topk):
+    """What the multi-step draft decode lays out per step (draft_decode_indptrs, equal to the
+    kernel's pointers: flashinfer_host_plan_cases) fits its buffer for 8 requests whose
+    prefixes fill req_to_token rows (a 160-token context plus spec v2's slack), whatever the
+    topk. Upstream's buffer (8 x the context length) overflows near the context length: a
+    chain by its draft tokens, a tree about topk times over."""
+    context_len, row_width, num_steps, bs = 160, 260, 3, 8
+    seq_lens = torch.full((bs,), row_width - num_steps, dtype=torch.int64)
+    written = int(draft_decode_indptrs(seq_lens, topk, num_steps)[:, -1].max())
+    assert written <= draft_decode_kv_slots(bs * topk, row_width)
+    at_context = torch.full((bs,), context_len - 2, dtype=torch.int64)
+    upstream = bs * context_len
+    written_at_context = int(
+        draft_decode_indptrs(at_context, topk, num_steps)[:, -1].max()
+    )
+    assert written_at_context > upstream
+    assert written_at_context >= (topk - 1) * upstream

@@ -545,6 +545,16 @@ def draft_decode_planned_at_capture_only(
     return once
 
 
+def draft_decode_kv_slots(num_branches: int, row_width: int) -> int:
+    """Slots one step of the multi-step draft decode may lay out: each of num_branches draft
+    branches (requests x topk) reads its request's prefix and its own draft tokens, together
+    at most a req_to_token row of row_width. Upstream sized its CUDA-graph slot buffer per
+    request (max_bs x the context length), topk times short for a tree: the draft decode
+    wrote past it once the mean prefix passed context_len / topk (draft_decode_indptrs lays
+    out what it writes)."""
+    return num_branches * row_width
+
+
 def draft_decode_branch_lens(seq_lens: torch.Tensor, topk: int) -> torch.Tensor:
     """[bs * topk]: each draft branch's prefix length, request b's seq_len for its branches
     b * topk ... b * topk + topk - 1. One copy kernel on the device, no host read-back; a
