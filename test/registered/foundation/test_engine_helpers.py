@@ -272,3 +272,14 @@ def test_ramp_generate_spreads_arrivals_and_times_the_whole_load(monkeypatch):
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert all(0.03 <= g <= 0.08 for g in gaps), gaps  # 0.2 s / 5 requests
     assert run.seconds >= 0.8 * 0.2
+
+
+def test_identity_by_batch_size_runs_each_size_and_names_the_diverging_one():
+    e = _FakeEngine()
+    prompts = [[1], [2], [3], [4]]
+    accept = eng.identical_by_batch_size(e, prompts, [[0] * 5] * 4, (1, 4), "triton")
+    assert e.calls == [5, 5]
+    assert accept == {1: 5.0, 4: 5.0}
+    diverging = [[0] * 5, [0] * 5, [0, 0, 7, 0, 0], [0] * 5]
+    with pytest.raises(AssertionError, match="triton bs 4"):
+        eng.identical_by_batch_size(e, prompts, diverging, (1, 4), "triton")

@@ -75,11 +75,7 @@ def test_forced_switches_keep_token_identity(
     with eng.engine(**kwargs) as e:
         assert e.server_args.disable_overlap_schedule is False, "fell back to spec v1"
         assert e.server_args.speculative_adaptive is True
-        accept = {}
-        for bs in BATCH_SIZES:
-            run = eng.generate(e, prompts[:bs], MAX_NEW_TOKENS)
-            eng.assert_identical(run, expected[:bs], f"{backend} bs {bs}")
-            accept[bs] = round(run.accept_length, 3)
+        accept = eng.identical_by_batch_size(e, prompts, expected, BATCH_SIZES, backend)
     seen = switches("".join(capfd.readouterr()))
     record_metric("accept_length_by_bs", accept)
     record_metric("switches", len(seen))
@@ -114,11 +110,7 @@ def test_forced_switches_through_none_keep_token_identity(
         attention_backend=backend,
     )
     with eng.engine(**kwargs) as e:
-        accept = {}
-        for bs in BATCH_SIZES:
-            run = eng.generate(e, prompts[:bs], MAX_NEW_TOKENS)
-            eng.assert_identical(run, expected[:bs], f"{backend} bs {bs}")
-            accept[bs] = round(run.accept_length, 3)
+        accept = eng.identical_by_batch_size(e, prompts, expected, BATCH_SIZES, backend)
     seen = switches("".join(capfd.readouterr()))
     record_metric("accept_length_by_bs", accept)
     assert any(b == "none" for _, b, _ in seen), "no step ran without speculation"

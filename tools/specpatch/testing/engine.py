@@ -380,7 +380,10 @@ class GreedyRun:
 
     @property
     def accept_length(self) -> float:
-        """Mean tokens committed per verify step (drafts + bonus), from the requests' meta_info."""
+        """Mean tokens committed per verify step (drafts + bonus), from the requests' meta_info.
+        Steps without speculation (the shape policy's "none") commit a token and count no
+        verify: with them in the run this is tokens per verify, above any shape's accept
+        length."""
         return (
             self.completion_tokens / self.verify_count
             if self.verify_count
@@ -473,16 +476,24 @@ def spec_v2_identical_by_batch_size(
         cuda_graph_bs=list(batch_sizes),
         **engine_overrides,
     )
-    accept = {}
     with engine(**kwargs) as e:
         assert e.server_args.attention_backend == engine_overrides.get(
             "attention_backend", "triton"
         )
         assert e.server_args.disable_overlap_schedule is False
-        for bs in batch_sizes:
-            run = generate(e, prompts[:bs], max_new_tokens)
-            assert_identical(run, expected[:bs], f"bs {bs}")
-            accept[bs] = round(run.accept_length, 3)
+        return identical_by_batch_size(e, prompts, expected, batch_sizes)
+
+
+def identical_by_batch_size(
+    e, prompts, expected, batch_sizes, label: str = ""
+) -> dict[int, float]:
+    """On a running engine, each batch size's first prompts produce exactly `expected` (as
+    long as its rows); returns the accept length by batch size."""
+    accept = {}
+    for bs in batch_sizes:
+        run = generate(e, prompts[:bs], len(expected[0]))
+        assert_identical(run, expected[:bs], f"{label} bs {bs}".strip())
+        accept[bs] = round(run.accept_length, 3)
     return accept
 
 
