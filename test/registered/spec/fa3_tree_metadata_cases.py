@@ -104,6 +104,17 @@ CASES = [
 ]
 
 
+def attention_metadata(page_table: torch.Tensor) -> SimpleNamespace:
+    """The FlashAttentionMetadata fields the fills write, zeroed, over `page_table` ([rows,
+    columns], its own values kept so a test can see what was not written)."""
+    rows = page_table.shape[0]
+    return SimpleNamespace(
+        cache_seqlens_int32=torch.zeros(rows, dtype=torch.int32),
+        cu_seqlens_k=torch.zeros(rows + 1, dtype=torch.int32),
+        page_table=page_table,
+    )
+
+
 @pytest.mark.parametrize("seq_lens,D,num_real,shape", CASES)
 def test_kernel_matches_reference_and_upstream(seq_lens, D, num_real, shape):
     b = make_batch(seq_lens, D, num_real, shape)
@@ -150,16 +161,8 @@ def test_fill_tree_verify_metadata_writes_the_prefix_with_upstreams_fused_kernel
 
     b = make_batch([9, 30, 2], 8, 2, "random", seed=4)
     bs, D, width = 3, 8, b.req_to_token.shape[1]
-    prefix = SimpleNamespace(
-        cache_seqlens_int32=torch.zeros(bs, dtype=torch.int32),
-        cu_seqlens_k=torch.zeros(bs + 1, dtype=torch.int32),
-        page_table=torch.full((bs, width), -1, dtype=torch.int32),
-    )
-    expand = SimpleNamespace(
-        cache_seqlens_int32=torch.zeros(bs * D, dtype=torch.int32),
-        cu_seqlens_k=torch.zeros(bs * D + 1, dtype=torch.int32),
-        page_table=torch.zeros(bs * D, D, dtype=torch.int32),
-    )
+    prefix = attention_metadata(torch.full((bs, width), -1, dtype=torch.int32))
+    expand = attention_metadata(torch.zeros(bs * D, D, dtype=torch.int32))
     max_pages = 30
     fa3.fill_tree_verify_metadata(
         prefix,
@@ -226,11 +229,7 @@ def test_fill_draft_decode_metadata_matches_upstreams_replay():
     seq_lens = torch.tensor([7, 33, 1])
     cache_loc = torch.randint(0, 999, (bs * topk, steps), generator=gen)
     for step in range(steps):
-        prefix = SimpleNamespace(
-            cache_seqlens_int32=torch.zeros(bs, dtype=torch.int32),
-            cu_seqlens_k=torch.zeros(bs + 1, dtype=torch.int32),
-            page_table=torch.full((bs, width), -1, dtype=torch.int32),
-        )
+        prefix = attention_metadata(torch.full((bs, width), -1, dtype=torch.int32))
         expand = SimpleNamespace(
             page_table=torch.zeros(bs * topk, step + 2, dtype=torch.int32)
         )
@@ -266,11 +265,7 @@ def test_prefix_pages_stay_within_the_page_table_row():
     req_pool_indices = torch.tensor([3, 1])
     seq_lens = torch.tensor([width - 1, 5])
     below = torch.full((bs + 1, width), -7, dtype=torch.int32)
-    prefix = SimpleNamespace(
-        cache_seqlens_int32=torch.zeros(bs, dtype=torch.int32),
-        cu_seqlens_k=torch.zeros(bs + 1, dtype=torch.int32),
-        page_table=below[:bs],
-    )
+    prefix = attention_metadata(below[:bs])
     expand = SimpleNamespace(page_table=torch.zeros(bs * topk, 2, dtype=torch.int32))
     cache_loc = torch.zeros(bs * topk, steps, dtype=torch.int64)
     bound_past_the_row = width + 6
