@@ -16,6 +16,7 @@ from sglang.srt.managers.scheduler_output_processor_mixin import (
     SchedulerOutputProcessorMixin,
 )
 from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative import plain_decode_steps as pds
 from sglang.srt.speculative import shape_runtime as rt
@@ -349,10 +350,17 @@ def test_none_runs_on_backends_whose_decode_takes_spec_v2_lengths(
 
 
 def test_none_steps_exist_only_with_none_in_the_set(tmp_path):
-    pool = SimpleNamespace(size=65)
+    pool = ReqToTokenPool(
+        size=64, max_context_len=8, device="cpu", enable_memory_saver=False
+    )
     with_none = write_config(tmp_path, shapes=["16,3,32", "4,3,8", "none"])
     steps = rt.make_plain_decode_steps(server_args(with_none), pool)
-    assert (steps.num_slots, steps.width) == (65, 32)
+    assert steps.width == 32
+    # Every slot the pool hands out has a ring row, its last (size: row 0 pads graphs) too.
+    slots = torch.tensor([max(pool.free_slots), min(pool.free_slots)])
+    steps.decoded(slots, torch.ones(2, HIDDEN), torch.tensor([5, 7]))
+    assert steps.ring.lag[slots].tolist() == [1, 1]
+    assert steps.ring.tokens[slots, 0].tolist() == [5, 7]
     rt._cached_policy.cache_clear()
     without = write_config(tmp_path, shapes=["16,3,32", "4,3,8"])
     assert rt.make_plain_decode_steps(server_args(without), pool) is None

@@ -631,8 +631,9 @@ def make_plain_decode_steps(server_args, req_to_token_pool):
     config = shape_policy_of(server_args)
     if config is None or NONE not in config.policy.shapes:
         return None
+    # One ring row per req_to_token row: slots run 1..size (row 0 pads CUDA-graph batches).
     return PlainDecodeSteps(
-        num_slots=req_to_token_pool.size,
+        num_slots=req_to_token_pool.req_to_token.shape[0],
         width=reserved_num_draft_tokens(server_args),
     )
 
