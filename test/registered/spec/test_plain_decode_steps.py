@@ -210,6 +210,60 @@ def test_a_none_step_counts_no_verify_in_the_scheduler():
     assert [r.histogram for r in reqs] == [[2], [0]]
 
 
+def test_a_decode_log_window_without_a_verify_logs_no_accept_length(caplog):
+    """A window of decode_log_interval steps that all ran without speculation has no verify:
+    the decode log says so, and the accept-length gauges keep their last values (upstream
+    divided by the window's zero verifies)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.observability.scheduler_metrics_mixin import SchedulerMetricsMixin
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    pool_stats = SimpleNamespace(
+        get_decode_usage_msg_parts=lambda: ["token usage: 0.01"]
+    )
+    scheduler = SimpleNamespace(
+        running_batch=SimpleNamespace(reqs=[object()] * 2, forward_iter=None),
+        current_scheduler_metrics_enabled=False,
+        is_stats_logging_rank=True,
+        forward_ct_decode=40,
+        forward_ct=40,
+        server_args=SimpleNamespace(
+            decode_log_interval=40,
+            speculative_num_draft_tokens=32,
+            language_only=False,
+        ),
+        last_decode_stats_tic=0.0,
+        num_generated_tokens=80,
+        get_pool_stats=lambda: pool_stats,
+        spec_algorithm=SpeculativeAlgorithm.EAGLE,
+        spec_num_accept_tokens=0,
+        spec_num_correct_drafts=0,
+        spec_num_forward_ct=0,
+        spec_total_num_accept_tokens=300,
+        spec_total_num_forward_ct=100,
+        stats=SimpleNamespace(spec_accept_length=3.0, spec_accept_rate=0.06),
+        disaggregation_mode=DisaggregationMode.NULL,
+        _graph_backend_label="cuda graph",
+        waiting_queue=[],
+        enable_mfu_metrics=False,
+        _publish_kv_events=lambda: None,
+    )
+    with caplog.at_level("INFO"):
+        SchedulerMetricsMixin.report_decode_stats(scheduler, can_run_cuda_graph=True)
+    assert "accept len: -," in caplog.text
+    assert (scheduler.stats.spec_accept_length, scheduler.stats.spec_accept_rate) == (
+        3.0,
+        0.06,
+    )
+    assert (
+        scheduler.spec_total_num_accept_tokens,
+        scheduler.spec_total_num_forward_ct,
+    ) == (
+        300,
+        100,
+    )
+
+
 # ----------------------------------------------------------------------------- the catch-up
 
 
