@@ -68,10 +68,9 @@ _ENABLED = enabled_by_env()
 # when the user asks (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1): it plans from them, sizing the work
 # from the bounds while the lengths its kernels read are rewritten on the device
 # (docs/flashinfer-overlap.md), and its draft decode moves to the tensor-core kernel, measured
-# on Hopper only; and its tree 16,3,32 failed test_spec_v2_runs_to_the_context_length with
-# bounds (a tree's draft decode wrote past its slot buffer there, now sized by
-# flashinfer_host_plans.draft_decode_kv_slots; not yet rerun), where its chain and FA3 and
-# triton pass.
+# on Hopper only. (Its tree 16,3,32 once failed test_spec_v2_runs_to_the_context_length with
+# bounds: the draft decode wrote past a slot buffer sized per request, not per draft branch;
+# flashinfer_host_plans.draft_decode_kv_slots sizes it now, and the test passes.)
 BOUNDS_BACKENDS = frozenset({"triton", "fa3"})
 BOUNDS_BACKENDS_ON_REQUEST = frozenset({"flashinfer"})
 # Set once this process has issued bounds: only then may an eager draft extend see them.
