@@ -12,8 +12,8 @@ wrap around to the end of a buffer. On CUDA the check is an async device assert 
 sync in the decode loop); on CPU it raises IndexError.
 
 memory_pool.py calls in here from thin call sites (the spec-kv-moves-for-all-pools patch);
-this module imports only torch and triton at load time, so memory_pool.py can import it
-without a cycle.
+this module imports only torch, triton and sglang.srt.utils (which memory_pool.py imports
+first) at load time, so memory_pool.py can import it without a cycle.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+
+from sglang.srt.utils.eager_jit import eager_jit
 
 # ---------------------------------------------------------------------------------------------
 # Checks
@@ -77,7 +79,7 @@ def _launch_slot_check(
 
 # debug=True compiles device_assert in (it is dropped otherwise). The message is fixed at
 # compile time, so it names the check, not the pool: the caller's traceback names the pool.
-@triton.jit(debug=True)
+@eager_jit(debug=True)
 def _assert_slots_in_range_kernel(a_ptr, b_ptr, n, num_slots, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     a = tl.load(a_ptr + offsets, mask=offsets < n, other=0)

@@ -24,8 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang.srt.utils.eager_jit import eager_jit
 
-@triton.jit
+
+@eager_jit
 def _tree_verify_expand_kernel(
     custom_mask,  # [sum over requests of D * (seq_len + D)], bool
     seq_lens,  # [bs]
