@@ -10,8 +10,8 @@ slice starts where the free list happens to be) and counts that change with the 
 running server keeps meeting specialisations it has not compiled. Each one is a compile in the
 middle of a decode step; a fresh process loads the ones Triton's on-disk cache holds, but a
 warm-up cannot reach every combination of alignments, powers of two and counts. These kernels
-do a few loads and stores per program and gain nothing measurable from the hints, so they
-give them up.
+do a few loads and stores per program: what the hints could save them is small next to one
+compile, so they give the hints up.
 """
 
 from __future__ import annotations
