@@ -123,3 +123,39 @@ def test_decode_step_index_kernels_compile_for_sm90():
             num_draft_tokens=4,
         )
     assert compiled == ["assign_req_to_token_pool", "fill_bonus_tokens"]
+
+
+@pytest.mark.gpu
+def test_slot_assignment_compiles_once_across_alignments_and_counts():
+    """On the GPU: the decode step's KV slot assignment, launched as prepare_for_decode
+    launches it (the lengths as rows of one [2, bs] tensor, the new slots a slice of the
+    allocator's), at batch sizes 5-8 (one power of two) with every alignment those give,
+    compiles once and writes what a torch loop writes."""
+    from sglang.srt.speculative.spec_utils import assign_req_to_token_pool
+
+    device = torch.device("cuda")
+    req_to_token = torch.zeros(9, 64, dtype=torch.int32, device=device)
+    free_slots = torch.arange(1000, 1400, dtype=torch.int64, device=device)
+    variants = len(assign_req_to_token_pool.device_caches[device.index or 0][0])
+    offset = 0
+    for bs, first in [(5, 1), (6, 0), (7, 3), (8, 1), (5, 2)]:
+        cur = torch.arange(first, first + bs, dtype=torch.int32) % 4
+        lens = torch.stack([cur, cur + torch.arange(1, bs + 1, dtype=torch.int32)])
+        cur_kv_lens, nxt_kv_lens = lens.to(device)
+        needed = int((lens[1] - lens[0]).sum())
+        out_cache_loc = free_slots[offset : offset + needed]
+        req_pool_indices = torch.arange(1, bs + 1, device=device)
+        expected = req_to_token.clone()
+        assign_req_to_token_pool_func(
+            req_pool_indices, req_to_token, cur_kv_lens, nxt_kv_lens, out_cache_loc, bs
+        )
+        written = 0
+        for b in range(bs):
+            lo, hi = int(lens[0, b]), int(lens[1, b])
+            expected[b + 1, lo:hi] = out_cache_loc[written : written + hi - lo].int()
+            written += hi - lo
+        torch.cuda.synchronize()
+        assert torch.equal(req_to_token, expected), (bs, first)
+        offset += needed + 1  # the next slice starts at the other alignment
+    compiled = len(assign_req_to_token_pool.device_caches[device.index or 0][0])
+    assert compiled - variants <= 1, f"{compiled - variants} compiles for one bs_upper"
