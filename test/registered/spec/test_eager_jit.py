@@ -18,7 +18,10 @@ from triton.backends import BaseBackend
 from triton.runtime.jit import create_function_from_signature
 
 from sglang.srt.speculative.eagle_info_v2 import fill_bonus_tokens
-from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func
+from sglang.srt.speculative.spec_utils import (
+    assign_req_to_token_pool,
+    assign_req_to_token_pool_func,
+)
 from sglang.srt.utils.eager_jit import eager_jit
 from specpatch.testing.sm90_compile import launches_compile_for_sm90
 
@@ -131,8 +134,6 @@ def test_slot_assignment_compiles_once_across_alignments_and_counts():
     launches it (the lengths as rows of one [2, bs] tensor, the new slots a slice of the
     allocator's), at batch sizes 5-8 (one power of two) with every alignment those give,
     compiles once and writes what a torch loop writes."""
-    from sglang.srt.speculative.spec_utils import assign_req_to_token_pool
-
     device = torch.device("cuda")
     req_to_token = torch.zeros(9, 64, dtype=torch.int32, device=device)
     free_slots = torch.arange(1000, 1400, dtype=torch.int64, device=device)

@@ -12,15 +12,18 @@ from typing import Optional
 import pytest
 import torch
 
+from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.managers.scheduler_output_processor_mixin import (
     SchedulerOutputProcessorMixin,
 )
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.observability.scheduler_metrics_mixin import SchedulerMetricsMixin
 from sglang.srt.speculative import plain_decode_steps as pds
 from sglang.srt.speculative import shape_runtime as rt
 from sglang.srt.speculative.shape_policy import NONE, Shape
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 WIDE, NARROW, CHAIN = Shape(16, 3, 32), Shape(4, 3, 8), Shape(1, 3, 4)
 HIDDEN = 6
@@ -214,10 +217,6 @@ def test_a_decode_log_window_without_a_verify_logs_no_accept_length(caplog):
     """A window of decode_log_interval steps that all ran without speculation has no verify:
     the decode log says so, and the accept-length gauges keep their last values (upstream
     divided by the window's zero verifies)."""
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-    from sglang.srt.observability.scheduler_metrics_mixin import SchedulerMetricsMixin
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
     pool_stats = SimpleNamespace(
         get_decode_usage_msg_parts=lambda: ["token usage: 0.01"]
     )
