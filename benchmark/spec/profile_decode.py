@@ -431,6 +431,11 @@ def main() -> None:
     p.add_argument("--configs", default="chain,tree,tree-v1")
     p.add_argument("--tree", default="4,3,8")
     p.add_argument("--bs", type=int, default=1)
+    p.add_argument(
+        "--policy-shapes",
+        default=" ".join(bench_e2e.POLICY_SHAPES),
+        help='shapes of the "policy" config, as bench_e2e takes them',
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument(
         "--with-stack", action="store_true", help="Python frames: names the sync sites"
@@ -446,6 +451,7 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     bench_e2e.set_tree_shape(*(int(x) for x in args.tree.split(",")))
+    bench_e2e.set_policy_shapes(args.policy_shapes.split())
     target, draft = bench_e2e.ensure_pair(args.models, args.preset, args.agreement)
     vocab = synth.load_meta(target)["spec"]["vocab"]
     out_dir = Path(tempfile.mkdtemp())
