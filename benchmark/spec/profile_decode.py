@@ -370,6 +370,7 @@ def profile_config(
     out_dir: Path,
     with_stack: bool = False,
     extra_env: dict[str, str] | None = None,
+    settle_seconds: float = 0.05,
 ) -> dict:
     config, _, _ = bench_e2e.split_config(name, eng.BUNDLE_FLAGS["attention_backend"])
     spec, env = bench_e2e.CONFIGS[config]
@@ -383,14 +384,15 @@ def profile_config(
         warm = eng.best_of(e, prompts, 256, 1)
 
         async def decode_under_profiler():
-            # The profiler opens at the forward after the request below reaches the scheduler
-            # and closes num_steps forwards later; the generation outlasts it on both ends, so
-            # the window is steady-state decode.
+            # The profiler opens at the forward after settle_seconds and closes num_steps
+            # forwards later; the generation outlasts it on both ends. Past the batch's
+            # prefill (a large batch's prefill and its radix-cache inserts would otherwise
+            # count as decode steps), the window is steady-state decode.
             params = dict(temperature=0.0, max_new_tokens=1024, ignore_eos=True)
             generation = asyncio.ensure_future(
                 e.async_generate(input_ids=prompts, sampling_params=params)
             )
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(settle_seconds)
             await e.tokenizer_manager.start_profile(
                 output_dir=str(trace_dir),
                 num_steps=num_steps,
@@ -438,6 +440,13 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=0.05,
+        help="start profiling this long after submitting the batch, so that at a large "
+        "batch size the window is past its prefill",
+    )
+    p.add_argument(
         "--with-stack", action="store_true", help="Python frames: names the sync sites"
     )
     p.add_argument(
@@ -467,6 +476,7 @@ def main() -> None:
             out_dir,
             args.with_stack,
             parse_env(args.env),
+            args.settle_seconds,
         )
         results.append(s)
         print(
