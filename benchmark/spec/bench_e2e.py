@@ -32,7 +32,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from specpatch.testing import engine as eng  # noqa: E402
@@ -184,16 +184,51 @@ def split_config(name: str, default_backend: str) -> tuple[str, str, int]:
 @dataclass(frozen=True)
 class MixedLoad:
     """`requests` requests of max_new_tokens each, arriving evenly over `ramp_seconds`: the
-    batch grows towards `requests` and shrinks back as they finish."""
+    batch grows towards `requests` and shrinks back as they finish. With a long tail, another
+    `long_requests` requests of `long_tokens` each arrive first and keep decoding at a small
+    batch after the ramp's requests have finished, so the load spends long stretches at
+    both ends of the batch sizes rather than passing through them."""
 
     requests: int
     ramp_seconds: float
+    long_requests: int = 0
+    long_tokens: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "MixedLoad":
-        """ "64:2.5" -> 64 requests over 2.5 s."""
-        requests, _, seconds = text.partition(":")
-        return cls(int(requests), float(seconds))
+        """ "64:2.5" -> 64 requests over 2.5 s; "64:2.5:4x1024" -> and 4 requests of 1024
+        tokens at the start."""
+        parts = text.split(":")
+        try:
+            if len(parts) == 2:
+                return cls(int(parts[0]), float(parts[1]))
+            if len(parts) == 3:
+                count, _, tokens = parts[2].partition("x")
+                return cls(int(parts[0]), float(parts[1]), int(count), int(tokens))
+        except ValueError:
+            pass
+        raise SystemExit(
+            f"--mixed-load {text!r}: want REQUESTS:RAMP_SECONDS[:LONGxTOKENS]"
+        )
+
+    @property
+    def total_requests(self) -> int:
+        return self.requests + self.long_requests
+
+    @property
+    def label(self) -> str:
+        tail = f":{self.long_requests}x{self.long_tokens}" if self.long_requests else ""
+        return f"{self.requests}:{self.ramp_seconds:g}{tail}"
+
+    def arrivals(self, max_new_tokens: int) -> tuple[list[float], list[int]]:
+        """Each request's arrival (seconds after the first) and max_new_tokens: the long
+        requests first, at 0, then the ramp's."""
+        gap = self.ramp_seconds / self.requests
+        delays = [0.0] * self.long_requests + [i * gap for i in range(self.requests)]
+        tokens = [self.long_tokens] * self.long_requests + [
+            max_new_tokens
+        ] * self.requests
+        return delays, tokens
 
 
 def engine_settings(
@@ -224,7 +259,7 @@ def engine_settings(
         target,
         draft,
         spec,
-        max_running_requests=max([*batch_sizes, mixed.requests if mixed else 0]),
+        max_running_requests=max([*batch_sizes, mixed.total_requests if mixed else 0]),
         max_total_tokens=eng.pool_tokens_for(target),
         attention_backend=backend,
         page_size=page_size,
@@ -255,7 +290,7 @@ def warm_jit_caches(
     if not any(split_config(n, attention_backend)[0] == "policy" for n in names):
         measure(target, draft, names[0], [1], 16, vocab, 1, attention_backend)
         return
-    largest = max([*batch_sizes, mixed.requests if mixed else 0])
+    largest = max([*batch_sizes, mixed.total_requests if mixed else 0])
     sizes = {*batch_sizes, *(1 << i for i in range(largest.bit_length()))}
     kwargs = engine_settings(
         target,
@@ -276,14 +311,17 @@ def diverged_requests(
     run: eng.GreedyRun,
     prompts: list[list[int]],
     successor: Optional[list[int]],
-    max_new_tokens: int,
+    max_new_tokens: Union[int, list[int]],
 ) -> Optional[int]:
     """How many requests of a greedy run left the target's greedy table (every config,
-    speculating or not, must produce it), or None without a table to check against."""
+    speculating or not, must produce it), or None without a table to check against.
+    max_new_tokens: one for every request, or each request's own."""
     if successor is None:
         return None
-    expected = synth.continuations(successor, prompts, max_new_tokens)
-    return sum(a != b for a, b in zip(run.output_ids, expected))
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    expected = synth.continuations(successor, prompts, max(max_new_tokens))
+    return sum(a != b[:n] for a, b, n in zip(run.output_ids, expected, max_new_tokens))
 
 
 def measure(
@@ -305,11 +343,12 @@ def measure(
     with scoped_env(env), eng.engine(**kwargs) as e:
         loads = [os.getloadavg()[0]]
         if mixed is not None:
-            ramp = prompts(mixed.requests, vocab, seed=99)
-            eng.ramp_generate(e, ramp, max_new_tokens, mixed.ramp_seconds)  # warm-up
+            ramp = prompts(mixed.total_requests, vocab, seed=99)
+            delays, tokens = mixed.arrivals(max_new_tokens)
+            eng.arrivals_generate(e, ramp, tokens, delays)  # warm-up
             run = max(
                 (
-                    eng.ramp_generate(e, ramp, max_new_tokens, mixed.ramp_seconds)
+                    eng.arrivals_generate(e, ramp, tokens, delays)
                     for _ in range(repeats)
                 ),
                 key=lambda r: r.tok_per_s,
@@ -318,9 +357,10 @@ def measure(
                 {
                     "config": name,
                     "bs": MIXED,
+                    "load": mixed.label,
                     "tok_per_s": run.tok_per_s,
                     "accept_length": run.accept_length if spec else 1.0,
-                    "diverged": diverged_requests(run, ramp, successor, max_new_tokens),
+                    "diverged": diverged_requests(run, ramp, successor, tokens),
                 }
             )
         for bs in batch_sizes:
@@ -377,8 +417,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--mixed-load",
-        help="REQUESTS:RAMP_SECONDS: also run REQUESTS requests arriving evenly over "
-        "RAMP_SECONDS (the batch grows to about REQUESTS and back), a row with bs 'mixed'",
+        help="REQUESTS:RAMP_SECONDS[:LONGxTOKENS]: also run REQUESTS requests arriving "
+        "evenly over RAMP_SECONDS (the batch grows to about REQUESTS and back), after LONG "
+        "requests of TOKENS tokens that arrive first (a tail at a small batch), a row with "
+        "bs 'mixed'",
     )
     parser.add_argument(
         "--policy-config",

@@ -164,6 +164,39 @@ def test_a_mixed_load_keeps_sglangs_graph_sizes_and_sorts_last(monkeypatch):
     ]
 
 
+def test_a_mixed_load_with_a_long_tail_sends_the_long_requests_first(monkeypatch):
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    mixed = bench_e2e.MixedLoad.parse("4:2:2x1024")
+    assert mixed.label == "4:2:2x1024"
+    delays, tokens = mixed.arrivals(128)
+    assert delays == [0.0, 0.0, 0.0, 0.5, 1.0, 1.5]
+    assert tokens == [1024, 1024, 128, 128, 128, 128]
+    kwargs = bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "tree", [1], "triton", mixed
+    )
+    assert (
+        kwargs["max_running_requests"] == 6
+    )  # the tail's requests run beside the ramp's
+    assert bench_e2e.MixedLoad.parse("64:1.5").label == "64:1.5"
+
+
+@pytest.mark.parametrize("text", ["64", "64:x", "64:1.5:4", "64:1.5:4x", "a:1"])
+def test_a_malformed_mixed_load_names_the_flag(text):
+    with pytest.raises(SystemExit, match="--mixed-load"):
+        bench_e2e.MixedLoad.parse(text)
+
+
+def test_divergence_is_counted_against_each_requests_own_length():
+    successor = [1, 2, 3, 0]  # token t -> t + 1 mod 4
+    prompts = [[0], [2]]
+    ok = eng.GreedyRun(output_ids=[[1, 2, 3], [3]], seconds=1.0, completion_tokens=4)
+    assert bench_e2e.diverged_requests(ok, prompts, successor, [3, 1]) == 0
+    # The second request's one token is wrong; a shared length would call both wrong.
+    bad = eng.GreedyRun(output_ids=[[1, 2, 3], [1]], seconds=1.0, completion_tokens=4)
+    assert bench_e2e.diverged_requests(bad, prompts, successor, [3, 1]) == 1
+    assert bench_e2e.diverged_requests(ok, prompts, successor, 3) == 1
+
+
 def test_measured_rows_become_a_policy_config(tmp_path, capsys):
     import json
 

@@ -274,6 +274,28 @@ def test_ramp_generate_spreads_arrivals_and_times_the_whole_load(monkeypatch):
     assert run.seconds >= 0.8 * 0.2
 
 
+def test_arrivals_generate_gives_each_request_its_own_delay_and_length():
+    import asyncio
+
+    asked = {}
+
+    class FakeEngine:
+        async def async_generate(self, input_ids, sampling_params):
+            asked[input_ids[0]] = asyncio.get_event_loop().time()
+            n = sampling_params["max_new_tokens"]
+            return {"output_ids": [7] * n, "meta_info": {"completion_tokens": n}}
+
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    run = eng.arrivals_generate(
+        FakeEngine(), [[0], [1], [2]], [5, 1, 2], [0.0, 0.0, 0.1]
+    )
+    assert run.output_ids == [[7] * 5, [7], [7] * 2]
+    assert run.completion_tokens == 8
+    assert asked[2] - asked[0] >= 0.08 and asked[1] - asked[0] < 0.05
+    with pytest.raises(ValueError):  # a delay or a length missing is refused
+        eng.arrivals_generate(FakeEngine(), [[0], [1]], [5], [0.0, 0.0])
+
+
 def test_identity_by_batch_size_runs_each_size_and_names_the_diverging_one():
     e = _FakeEngine()
     prompts = [[1], [2], [3], [4]]

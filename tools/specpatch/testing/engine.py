@@ -409,17 +409,34 @@ def ramp_generate(
     """Greedy requests that arrive one by one, evenly over ramp_seconds (request i after
     i * ramp_seconds / len(prompts)); timed from the first arrival to the last completion.
     """
+    gap = ramp_seconds / len(prompts)
+    return arrivals_generate(
+        eng,
+        prompts,
+        [max_new_tokens] * len(prompts),
+        [i * gap for i in range(len(prompts))],
+    )
+
+
+def arrivals_generate(
+    eng,
+    prompts: list[list[int]],
+    max_new_tokens: list[int],
+    delays: list[float],
+) -> GreedyRun:
+    """Greedy requests, request i arriving delays[i] seconds after the first and asking for
+    max_new_tokens[i] tokens; timed from the first arrival to the last completion."""
     import asyncio
 
-    params = dict(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
-    gap = ramp_seconds / len(prompts)
-
-    async def arrive(i: int, prompt: list[int]) -> dict:
-        await asyncio.sleep(i * gap)
+    async def arrive(prompt: list[int], tokens: int, delay: float) -> dict:
+        await asyncio.sleep(delay)
+        params = dict(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
         return await eng.async_generate(input_ids=prompt, sampling_params=params)
 
     async def all_requests() -> list[dict]:
-        return await asyncio.gather(*(arrive(i, p) for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(arrive(*a) for a in zip(prompts, max_new_tokens, delays, strict=True))
+        )
 
     tic = time.perf_counter()
     # sglang's Engine runs its tokenizer manager on the thread's event loop (Engine.generate).

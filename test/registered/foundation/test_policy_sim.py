@@ -1,0 +1,81 @@
+"""benchmark/spec/policy_sim.py: a benchmark's measured step costs replayed on a load, for
+every fixed shape and for the shape policy."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
+import bench_e2e  # noqa: E402
+import policy_sim  # noqa: E402
+
+from sglang.srt.speculative.shape_policy import Shape  # noqa: E402
+
+TREE, CHAIN, NONE = Shape(16, 3, 32), Shape(1, 3, 4), Shape.parse("none")
+ACCEPT = {"tree": 3.6, "chain": 2.5, "none": 1.0}
+
+
+def step_ms(config: str, bs: int) -> float:
+    """A tree that verifies bs x 32 tokens grows dear fast; the chain barely grows."""
+    return {"tree": 3.0 + 0.25 * bs, "chain": 3.0 + 0.04 * bs, "none": 2.0 + 0.01 * bs}[
+        config
+    ]
+
+
+def bench_rows() -> list[dict]:
+    rows = [
+        {
+            "config": config,
+            "bs": bs,
+            "tok_per_s": bs * ACCEPT[config] / (step_ms(config, bs) / 1e3),
+            "accept_length": ACCEPT[config],
+        }
+        for config in ("none", "chain", "tree")
+        for bs in (1, 4, 16, 64)
+    ]
+    # A mixed-load row and a config outside the set are not step costs.
+    rows.append({"config": "tree", "bs": "mixed", "tok_per_s": 1.0, "accept_length": 3})
+    rows.append({"config": "tree-v1", "bs": 4, "tok_per_s": 1.0, "accept_length": 3})
+    return rows
+
+
+def test_measured_costs_are_seconds_per_step_between_and_past_the_sizes():
+    costs = policy_sim.measured_costs(bench_rows())
+    assert set(costs.step_seconds) == {TREE, CHAIN, NONE}
+    assert costs.seconds(TREE, 4) == pytest.approx(4.0e-3)
+    assert costs.seconds(TREE, 10) == pytest.approx(5.5e-3)  # between 4 and 16
+    assert costs.seconds(CHAIN, 128) == pytest.approx(2 * costs.seconds(CHAIN, 64))
+    assert costs.accept_length[TREE] == pytest.approx(3.6)
+    assert costs.accept_length[NONE] == 1.0
+
+
+def test_replay_decodes_every_token_of_every_request():
+    costs = policy_sim.measured_costs(bench_rows())
+    # One request of 10 tokens alone: ceil(10 / 2.5) = 4 chain steps of 3.04 ms.
+    run = policy_sim.replay(costs, [0.0], [10], lambda bs: CHAIN)
+    assert run.steps_by_shape == {"1,3,4": 4}
+    assert run.tok_per_s == pytest.approx(10 / (4 * 3.04e-3))
+    # A second request arriving after the first finished waits for nothing and runs alone.
+    run = policy_sim.replay(costs, [0.0, 1.0], [10, 10], lambda bs: CHAIN)
+    assert run.steps_by_shape == {"1,3,4": 8}
+    assert run.tok_per_s == pytest.approx(20 / (1.0 + 4 * 3.04e-3))
+
+
+def test_the_policy_beats_every_fixed_shape_where_the_load_spends_time_at_both_ends():
+    costs = policy_sim.measured_costs(bench_rows())
+    delays, tokens = bench_e2e.MixedLoad.parse("64:0.1:4x1024").arrivals(128)
+    runs = policy_sim.compare(costs, [TREE, CHAIN, NONE], delays, tokens)
+    best_fixed = max(r.tok_per_s for label, r in runs.items() if label != "policy")
+    assert runs["policy"].tok_per_s > 1.05 * best_fixed
+    # It ran the chain through the crowd and the tree through the tail.
+    assert runs["policy"].steps_by_shape.keys() >= {"1,3,4", "16,3,32"}
+
+
+def test_at_one_batch_size_the_policy_settles_on_the_best_shape():
+    costs = policy_sim.measured_costs(bench_rows())
+    delays, tokens = [0.0] * 64, [256] * 64
+    runs = policy_sim.compare(costs, [TREE, CHAIN, NONE], delays, tokens)
+    assert runs["policy"].tok_per_s >= 0.98 * runs["1,3,4"].tok_per_s
