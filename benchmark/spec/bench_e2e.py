@@ -32,7 +32,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from specpatch.testing import engine as eng  # noqa: E402
@@ -609,11 +609,9 @@ def host_load_line(rows: list[dict], cpus: int) -> Optional[str]:
     )
 
 
-def measured_step_costs(rows: list[dict], backend: str) -> dict[str, dict[str, float]]:
-    """Seconds per decode step by shape label and batch size, from the rows of fixed-shape
-    spec v2 configs on `backend` at page size 1: a step commits accept_length tokens for
-    each of bs requests."""
-    costs: dict[str, dict[str, float]] = {}
+def fixed_shape_rows(rows: list[dict], backend: str) -> Iterator[tuple[str, dict]]:
+    """(shape label, row) of each row of a fixed-shape spec v2 config on `backend` at page
+    size 1 and a fixed batch size: what a step of that shape costs at that size."""
     for r in rows:
         config, row_backend, page = split_config(r["config"], backend)
         spec, _ = CONFIGS[config]
@@ -625,7 +623,14 @@ def measured_step_costs(rows: list[dict], backend: str) -> dict[str, dict[str, f
             or r["bs"] == MIXED
         ):
             continue
-        label = f"{spec.topk},{spec.num_steps},{spec.num_draft_tokens}"
+        yield f"{spec.topk},{spec.num_steps},{spec.num_draft_tokens}", r
+
+
+def measured_step_costs(rows: list[dict], backend: str) -> dict[str, dict[str, float]]:
+    """Seconds per decode step by shape label and batch size, from fixed_shape_rows: a step
+    commits accept_length tokens for each of bs requests."""
+    costs: dict[str, dict[str, float]] = {}
+    for label, r in fixed_shape_rows(rows, backend):
         seconds = r["bs"] * r["accept_length"] / r["tok_per_s"]
         costs.setdefault(label, {})[str(r["bs"])] = seconds
     return costs

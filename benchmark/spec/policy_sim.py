@@ -26,14 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e  # noqa: E402
 
 from sglang.srt.speculative.shape_policy import (  # noqa: E402
+    NONE,
     PolicyConfig,
     Shape,
     ShapePolicy,
     StepCostTable,
 )
-
-# bench_e2e's config names of the fixed shapes a policy set may hold.
-CONFIG_SHAPES = {"chain": "1,3,4", "narrow": "4,3,8", "tree": "16,3,32", "none": "none"}
 
 
 @dataclass(frozen=True)
@@ -53,15 +51,18 @@ class MeasuredCosts:
         return edge_s * bs / edge_bs if bs > edge_bs else edge_s
 
 
-def measured_costs(rows: list[dict], tree: str = "16,3,32") -> MeasuredCosts:
-    """From bench_e2e rows at fixed batch sizes (the mixed-load rows are skipped)."""
-    labels = {**CONFIG_SHAPES, "tree": tree}
+def measured_costs(rows: list[dict], backend: str = "triton") -> MeasuredCosts:
+    """From bench_e2e rows at fixed batch sizes: its fixed spec v2 shapes on `backend`
+    (bench_e2e.fixed_shape_rows, "tree" as bench_e2e's --tree set it) and "none"."""
     step_seconds: dict[Shape, dict[int, float]] = {}
     accepts: dict[Shape, list[float]] = {}
-    for row in rows:
-        if row["config"] not in labels or not isinstance(row["bs"], int):
-            continue
-        shape = Shape.parse(labels[row["config"]])
+    plain = [
+        (NONE.label, r)
+        for r in rows
+        if r["config"] == "none" and isinstance(r["bs"], int)
+    ]
+    for label, row in [*bench_e2e.fixed_shape_rows(rows, backend), *plain]:
+        shape = Shape.parse(label)
         accept = row["accept_length"] if shape.speculates else 1.0
         step_seconds.setdefault(shape, {})[row["bs"]] = (
             row["bs"] * accept / row["tok_per_s"]
@@ -149,7 +150,8 @@ def main() -> None:
         "--policy-shapes", default=" ".join(["16,3,32", "4,3,8", "1,3,4", "none"])
     )
     args = parser.parse_args()
-    costs = measured_costs(json.loads(Path(args.rows).read_text()), args.tree)
+    bench_e2e.set_tree_shape(*(int(x) for x in args.tree.split(",")))
+    costs = measured_costs(json.loads(Path(args.rows).read_text()))
     shapes = [Shape.parse(s) for s in args.policy_shapes.split()]
     missing = [s.label for s in shapes if s not in costs.step_seconds]
     if missing:
