@@ -106,6 +106,50 @@ def test_decode_step_index_kernels_compile_once_per_constexpr_set(module, name):
     assert len(keys(kernel, COUNTS)) == 1, "specialises on integer values"
 
 
+# Parameters that carry a buffer's row width: fixed by the engine's pool sizes and context
+# length, so they differ between engines of one process and between server restarts.
+ROW_WIDTHS = {
+    "pool_len",
+    "req_to_token_ptr_stride",
+    "kv_indices_stride",
+    "kv_indptr_stride",
+}
+
+
+def specialisation_with_row_width(kernel, width: int) -> tuple:
+    binder = create_function_from_signature(
+        kernel.signature, kernel.params, BaseBackend
+    )
+    args = {
+        p.name: width if p.name in ROW_WIDTHS else 4 if p.is_constexpr else SLOTS
+        for p in kernel.params
+    }
+    return tuple(binder(**args)[1])
+
+
+# The decode step's index kernels that address req_to_token or the draft KV index buffers.
+ROW_WIDTH_KERNELS = [
+    ("sglang.srt.speculative.spec_utils", "assign_req_to_token_pool"),
+    ("sglang.srt.speculative.spec_utils", "generate_draft_decode_kv_indices"),
+    ("sglang.srt.speculative.eagle_info_v2", "assign_extend_cache_locs"),
+    ("sglang.srt.speculative.eagle_info_v2", "assign_draft_cache_locs_page_size_1"),
+    ("sglang.srt.mem_cache.common", "write_req_to_token_pool_triton"),
+    ("sglang.srt.layers.attention.utils", "create_flashinfer_kv_indices_triton"),
+]
+
+
+@pytest.mark.parametrize(
+    "module,name", ROW_WIDTH_KERNELS, ids=[name for _, name in ROW_WIDTH_KERNELS]
+)
+def test_decode_step_index_kernels_share_compiles_across_pool_sizes(module, name):
+    """A second engine with a longer req_to_token row (or a restart with a longer context)
+    finds every index kernel already compiled: no row width is a constexpr."""
+    kernel = getattr(importlib.import_module(module), name)
+    assert {p.name for p in kernel.params} & ROW_WIDTHS, "takes no row width"
+    keys = {specialisation_with_row_width(kernel, w) for w in (4096, 4112, 65536)}
+    assert len(keys) == 1, "a row width selects a compile"
+
+
 def test_decode_step_index_kernels_compile_for_sm90():
     """Without the specialisations the kernels still compile for an H100 (triton's compiler,
     which the interpreter does not run), with the argument types the server passes."""
@@ -132,14 +176,21 @@ def test_decode_step_index_kernels_compile_for_sm90():
 def test_slot_assignment_compiles_once_across_alignments_and_counts():
     """On the GPU: the decode step's KV slot assignment, launched as prepare_for_decode
     launches it (the lengths as rows of one [2, bs] tensor, the new slots a slice of the
-    allocator's), at batch sizes 5-8 (one power of two) with every alignment those give,
-    compiles once and writes what a torch loop writes."""
+    allocator's), at batch sizes 5-8 (one power of two) with every alignment those give and
+    two req_to_token row widths, compiles once and writes what a torch loop writes."""
     device = torch.device("cuda")
-    req_to_token = torch.zeros(9, 64, dtype=torch.int32, device=device)
+    pools = {w: torch.zeros(9, w, dtype=torch.int32, device=device) for w in (64, 80)}
     free_slots = torch.arange(1000, 1400, dtype=torch.int64, device=device)
     variants = len(assign_req_to_token_pool.device_caches[device.index or 0][0])
     offset = 0
-    for bs, first in [(5, 1), (6, 0), (7, 3), (8, 1), (5, 2)]:
+    for width, bs, first in [
+        (64, 5, 1),
+        (64, 6, 0),
+        (80, 7, 3),
+        (64, 8, 1),
+        (80, 5, 2),
+    ]:
+        req_to_token = pools[width]
         cur = torch.arange(first, first + bs, dtype=torch.int32) % 4
         lens = torch.stack([cur, cur + torch.arange(1, bs + 1, dtype=torch.int32)])
         cur_kv_lens, nxt_kv_lens = lens.to(device)
@@ -156,7 +207,7 @@ def test_slot_assignment_compiles_once_across_alignments_and_counts():
             expected[b + 1, lo:hi] = out_cache_loc[written : written + hi - lo].int()
             written += hi - lo
         torch.cuda.synchronize()
-        assert torch.equal(req_to_token, expected), (bs, first)
+        assert torch.equal(req_to_token, expected), (width, bs, first)
         offset += needed + 1  # the next slice starts at the other alignment
     compiled = len(assign_req_to_token_pool.device_caches[device.index or 0][0])
     assert compiled - variants <= 1, f"{compiled - variants} compiles for one bs_upper"
