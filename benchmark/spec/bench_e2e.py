@@ -367,11 +367,15 @@ def measure(
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
             batch = prompts(bs, vocab, seed=bs)
             best = eng.best_of(e, batch, max_new_tokens, repeats)
+            # The same prompts to their first token only: prefill (the draft's too) and the
+            # first sampled token, what every request pays once whatever its length.
+            first = eng.best_of(e, batch, 1, repeats)
             rows.append(
                 {
                     "config": name,
                     "bs": bs,
                     "tok_per_s": best.tok_per_s,
+                    "decode_tok_per_s": decode_tok_per_s(best, first),
                     "accept_length": best.accept_length if spec else 1.0,
                     "diverged": diverged_requests(
                         best, batch, successor, max_new_tokens
@@ -382,6 +386,43 @@ def measure(
     for r in rows:
         r["host_load"] = round(max(loads), 1)
     return rows
+
+
+def decode_tok_per_s(run: eng.GreedyRun, first_token: eng.GreedyRun) -> float:
+    """Tokens per second after each request's first token: the run's tokens and seconds less
+    those of the same prompts run to their first token."""
+    tokens = run.completion_tokens - first_token.completion_tokens
+    return tokens / max(run.seconds - first_token.seconds, 1e-9)
+
+
+def spec_efficiency(rows: list[dict], key: str = "tok_per_s") -> dict:
+    """Issue #23's measure per (config, bs): tok/s / (no-speculation tok/s x accept length),
+    the share of a speculating step's committed tokens its time delivers against plain
+    decoding. With key "decode_tok_per_s", the same past each request's first token, where
+    the decode loop alone decides it. {(config, bs): efficiency}."""
+    none = {r["bs"]: r for r in rows if r["config"] == "none" and key in r}
+    return {
+        (r["config"], r["bs"]): r[key] / (none[r["bs"]][key] * r["accept_length"])
+        for r in rows
+        # The policy's accept length counts its unspeculated steps' tokens (tokens per
+        # verify); a mixed load's rows have no one batch size.
+        if r["config"] not in ("none", "policy") and r["bs"] != MIXED
+        if r["bs"] in none and key in r
+    }
+
+
+def print_spec_efficiency(rows: list[dict]) -> None:
+    whole = spec_efficiency(rows)
+    decode = spec_efficiency(rows, "decode_tok_per_s")
+    if not whole:
+        return
+    print("spec efficiency, whole requests / past the first token:")
+    for (config, bs), value in whole.items():
+        past = decode.get((config, bs))
+        print(
+            f"  {config} bs {bs}: {value:.3f}"
+            + (f" / {past:.3f}" if past is not None else "")
+        )
 
 
 def main() -> None:
@@ -552,6 +593,7 @@ def main() -> None:
         rows, "tree", "chain", "accept_length", "tree / chain accept length"
     )
     print_policy_ratios(rows)
+    print_spec_efficiency(rows)
     for pair in filter(None, args.ratios.split(",")):
         num, den = pair.split("/")
         print_pair_ratios(rows, num, den, "tok_per_s", f"{num} / {den} tok/s")

@@ -328,3 +328,34 @@ def test_host_load_line_names_the_configs_that_ran_on_a_busy_host():
         "host load: over 32 (half of 64 cores) while chain ran (40.5)"
     )
     assert bench_e2e.host_load_line(rows[:1], cpus=64) is None
+
+
+def test_decode_rate_leaves_out_the_first_token_run():
+    run = eng.GreedyRun(output_ids=[], seconds=1.3, completion_tokens=4 * 128)
+    first = eng.GreedyRun(output_ids=[], seconds=0.1, completion_tokens=4)
+
+    assert bench_e2e.decode_tok_per_s(run, first) == pytest.approx(4 * 127 / 1.2)
+
+
+def test_spec_efficiency_against_no_speculation_at_each_batch_size():
+    rows = [
+        {"config": "none", "bs": 1, "tok_per_s": 160.0, "decode_tok_per_s": 170.0},
+        {"config": "none", "bs": 4, "tok_per_s": 640.0},
+        {"config": "none", "bs": "mixed", "tok_per_s": 3000.0},
+        dict(config="chain", bs=1, tok_per_s=300.0, accept_length=2.5),
+        dict(config="chain", bs=1, tok_per_s=300.0, accept_length=2.5)
+        | {"config": "tree", "decode_tok_per_s": 340.0},
+        dict(config="tree", bs=4, tok_per_s=1280.0, accept_length=3.2),
+        dict(config="tree", bs=16, tok_per_s=4000.0, accept_length=3.2),  # no none
+        dict(config="policy", bs=1, tok_per_s=310.0, accept_length=2.6),
+        dict(config="chain", bs="mixed", tok_per_s=3300.0, accept_length=2.5),
+    ]
+
+    assert bench_e2e.spec_efficiency(rows) == {
+        ("chain", 1): pytest.approx(0.75),
+        ("tree", 1): pytest.approx(0.75),
+        ("tree", 4): pytest.approx(0.625),
+    }
+    assert bench_e2e.spec_efficiency(rows, "decode_tok_per_s") == {
+        ("tree", 1): pytest.approx(340 / (170 * 2.5)),
+    }
