@@ -37,6 +37,7 @@ from sglang.srt.speculative.shape_policy import (
 
 if TYPE_CHECKING:
     from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+    from sglang.srt.utils.jit_compile_log import JitCompileLog
 
 logger = logging.getLogger(__name__)
 
@@ -435,16 +436,22 @@ class ShapeTrace:
     """The config's "trace" file: one JSON object per line, for each decode result the shape
     that launched it, its batch size, measured step seconds (null when not measured), mean
     accept length and the policy's scores (tokens per second per request) of every shape at
-    that batch size afterwards; for each switch, the shapes and the batch size."""
+    that batch size afterwards; for each switch, the shapes and the batch size. A line also
+    lists, as "compiles" ([kernel[constexprs], milliseconds] each), the Triton kernel variants
+    this process compiled or loaded since the line before: a step that took hundreds of
+    milliseconds names what it waited for."""
 
-    def __init__(self, stream: TextIO):
+    def __init__(self, stream: TextIO, compiles: Optional["JitCompileLog"] = None):
         self._stream = stream
+        self._compiles = compiles
 
     @classmethod
     def open(cls, path: str, tp_rank: int = 0) -> "ShapeTrace":
+        from sglang.srt.utils.jit_compile_log import JitCompileLog
+
         # Line-buffered: a server that is killed keeps what it traced.
         suffix = f".rank{tp_rank}" if tp_rank else ""
-        return cls(open(path + suffix, "a", buffering=1))
+        return cls(open(path + suffix, "a", buffering=1), JitCompileLog().install())
 
     def result(
         self,
@@ -467,6 +474,11 @@ class ShapeTrace:
         self._write(step=step, switch=[old.label, new.label], bs=bs)
 
     def _write(self, **fields) -> None:
+        compiles = self._compiles.drain() if self._compiles is not None else []
+        if compiles:
+            fields["compiles"] = [
+                [c.label(), round(c.seconds * 1000, 1)] for c in compiles
+            ]
         self._stream.write(json.dumps(fields) + "\n")
 
 
