@@ -70,6 +70,7 @@ def test_a_config_with_shapes_is_read_and_checked(tmp_path):
         ({"shapes": ["16,3,32", "1,3,4"], "force_switch_every": -1}, "force_switch"),
         ({"shapes": ["16,3,32"]}, "at least two shapes"),
         ({"shapes": ["16,3,32", "16,3"]}, "is not TOPK,STEPS,DRAFT_TOKENS"),
+        ({"shapes": ["16,3,32", "1,3,4"], "step_time": "wall"}, '"step_time" must be'),
     ],
 )
 def test_bad_configs_are_refused_naming_the_flag(tmp_path, raw, match):
@@ -363,6 +364,47 @@ def test_each_step_is_timed_between_its_own_device_marks(tmp_path):
     controller.on_verify_complete([2])
     # Its own device time again: the second step at a batch size replaces the first's point.
     assert costs.seconds(WIDE, 1) == pytest.approx(0.020)
+
+
+def test_with_step_time_period_a_step_is_charged_from_the_end_of_the_one_before(
+    tmp_path,
+):
+    """ "step_time": "period": the device time from the end of the decode step before (same
+    shape, nothing else launched between) to this step's end, so the host work between two
+    steps, which the device waits out when the host is the bottleneck, is charged too; a
+    step after a switch or a prefill has no such start and is charged its own span."""
+    controller, _, clock, _ = make_controller(
+        tmp_path, force_switch_every=2, step_time="period"
+    )
+    assert controller.config.step_time == rt.PERIOD
+    costs = controller.policy.costs
+    assert run_step(controller, clock, 1, 0.010) == WIDE  # the first: its span
+    controller.on_verify_complete([2])
+    assert costs.seconds(WIDE, 1) == pytest.approx(0.010)
+    clock.now += 0.005  # the host between the two steps; the device waits
+    assert run_step(controller, clock, 1, 0.010) == WIDE
+    controller.on_verify_complete([2])
+    assert costs.seconds(WIDE, 1) == pytest.approx(0.015)
+    clock.now += 0.030  # a switch: the wait is not the narrow tree's
+    assert run_step(controller, clock, 1, 0.004) == NARROW
+    controller.on_verify_complete([2])
+    assert costs.seconds(NARROW, 1) == pytest.approx(0.004)
+    clock.now += 0.040  # a prefill launched between the narrow tree's two steps
+    controller.after_other_forward()
+    assert run_step(controller, clock, 1, 0.005) == NARROW
+    controller.on_verify_complete([2])
+    assert costs.seconds(NARROW, 1) == pytest.approx(0.005)
+
+
+def test_by_default_a_step_is_charged_its_span(tmp_path):
+    controller, _, clock, _ = make_controller(tmp_path, force_switch_every=2)
+    assert controller.config.step_time == rt.SPAN
+    run_step(controller, clock, 1, 0.010)
+    clock.now += 0.005
+    run_step(controller, clock, 1, 0.010)
+    controller.on_verify_complete([2])
+    controller.on_verify_complete([2])
+    assert controller.policy.costs.seconds(WIDE, 1) == pytest.approx(0.010)
 
 
 def test_a_step_launched_without_after_decode_is_not_timed(tmp_path):

@@ -52,9 +52,15 @@ POLICY_KEYS = frozenset(
         "ema_alpha",
         "force_switch_every",
         "step_costs",
+        "step_time",
         "trace",
     }
 )
+# How a measured decode step is timed on the device ("step_time"): SPAN from its first
+# launch to its last; PERIOD from the end of the decode step before it (same shape, no other
+# forward between) to its own end, so that host work between steps, during which the device
+# waits when the host is the bottleneck, is charged to the shape whose steps need it.
+SPAN, PERIOD = "span", "period"
 
 
 # ----------------------------------------------------------------------------- config
@@ -74,6 +80,7 @@ class ShapePolicyConfig:
     # A JSON-lines file that gets, per decode result, what the policy learnt from it and its
     # scores after (ShapeTrace): why it runs the shape it runs.
     trace: Optional[str] = None
+    step_time: str = SPAN  # SPAN or PERIOD
 
     @property
     def deterministic(self) -> bool:
@@ -119,7 +126,13 @@ def read_shape_policy(
         raise ValueError(
             f'{CONFIG_FLAG} {path}: "trace" {trace}: its directory does not exist'
         )
-    return ShapePolicyConfig(policy, every, costs, trace)
+    step_time = raw.get("step_time", SPAN)
+    if step_time not in (SPAN, PERIOD):
+        raise ValueError(
+            f'{CONFIG_FLAG} {path}: "step_time" must be "{SPAN}" or "{PERIOD}", '
+            f"got {step_time!r}"
+        )
+    return ShapePolicyConfig(policy, every, costs, trace, step_time)
 
 
 def read_step_costs(
@@ -430,6 +443,9 @@ class _Launch:
     bs: int
     start: Optional[object] = None  # StepClock marks; None when costs are not measured
     end: Optional[object] = None
+    # With step_time PERIOD: the end mark of the decode step launched just before, when it
+    # ran this shape and no other forward came between (None otherwise: the span is used).
+    previous_end: Optional[object] = None
 
 
 class ShapeTrace:
@@ -521,6 +537,8 @@ class ShapeController:
         self._trace = trace
         self._pending: Deque[_Launch] = collections.deque()
         self._decode_steps = 0
+        # The end mark and shape of the last decode step, while a PERIOD can start there.
+        self._last_end: Optional[tuple[Shape, object]] = None
 
     @property
     def active(self) -> Shape:
@@ -576,13 +594,24 @@ class ShapeController:
         if self._metrics is not None:
             self._metrics.stepped(shape)
         start = self._clock.mark() if self._clock is not None else None
-        self._pending.append(_Launch(shape, bs, start))
+        previous_end = None
+        if self._last_end is not None and self._last_end[0] == shape:
+            previous_end = self._last_end[1]
+        self._pending.append(_Launch(shape, bs, start, previous_end=previous_end))
         return shape
 
     def after_decode(self) -> None:
         """The decode step before_decode announced has launched all its work."""
         if self._clock is not None and self._pending:
-            self._pending[-1].end = self._clock.mark()
+            launch = self._pending[-1]
+            launch.end = self._clock.mark()
+            if self.config.step_time == PERIOD:
+                self._last_end = (launch.shape, launch.end)
+
+    def after_other_forward(self) -> None:
+        """A forward that is not a decode step (a prefill, an extend) has launched: the next
+        decode step's period would hold it."""
+        self._last_end = None
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int]) -> None:
         if not self._pending:
@@ -598,6 +627,10 @@ class ShapeController:
         seconds = None
         if launch.start is not None and launch.end is not None:
             seconds = self._clock.seconds(launch.start, launch.end)
+            if seconds is not None and launch.previous_end is not None:
+                period = self._clock.seconds(launch.previous_end, launch.end)
+                if period is not None:
+                    seconds = max(seconds, period)
             if seconds is not None:
                 self.policy.observe_step_time(launch.shape, launch.bs, seconds)
         if self._trace is not None:
