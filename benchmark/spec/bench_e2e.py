@@ -49,7 +49,11 @@ CONFIGS = {
     "narrow": (eng.SpecConfig(4, 3, 8), {}),
     "chain1": (eng.SpecConfig(1, 1, 2), {}),
     "policy": (eng.SpecConfig(16, 3, 32), {}),
+    "policy-period": (eng.SpecConfig(16, 3, 32), {}),
 }
+# The policy configs, by the "step_time" of their --speculative-adaptive-config (None: the
+# default, each step's device span; "period": from the end of the step before).
+POLICY_STEP_TIME = {"policy": None, "policy-period": "period"}
 # Kernel and host-path A/Bs, each a chain 1,3,4, a wide and a narrow tree config
 # ("chain-SUFFIX", "tree-SUFFIX", "narrow-SUFFIX") with one env switch set against its
 # default, for an A/B in one run:
@@ -125,26 +129,34 @@ def set_policy_config(path: str) -> None:
 
 
 def set_policy_shapes(labels: list[str]) -> None:
-    first = (int(x) for x in labels[0].split(","))
-    CONFIGS["policy"] = (eng.SpecConfig(*first), {})
+    first = [int(x) for x in labels[0].split(",")]
+    for name in POLICY_STEP_TIME:
+        CONFIGS[name] = (eng.SpecConfig(*first), {})
     POLICY_SHAPES[:] = labels
 
 
-def policy_config_file(force_switch_every: int = 0) -> str:
-    """--speculative-adaptive-config of the policy config: --policy-config, else its
-    "shapes"; with --policy-trace, a copy that traces. force_switch_every > 0: a copy that
-    cycles through the shapes that often and traces nothing (the JIT warm-up)."""
+def policy_config_file(
+    force_switch_every: int = 0, step_time: Optional[str] = None
+) -> str:
+    """--speculative-adaptive-config of a policy config: --policy-config, else its
+    "shapes"; with --policy-trace, a copy that traces; with step_time, a copy that times
+    steps so. force_switch_every > 0: a copy that cycles through the shapes that often and
+    traces nothing (the JIT warm-up)."""
     given = POLICY_CONFIG[0]
-    if given is not None and POLICY_TRACE[0] is None and not force_switch_every:
+    unchanged = POLICY_TRACE[0] is None and not force_switch_every and not step_time
+    if given is not None and unchanged:
         return given
     config = {"shapes": POLICY_SHAPES}
     if given is not None:
         config = json.loads(Path(given).read_text())
+    if step_time:
+        config["step_time"] = step_time
     if force_switch_every:
         config["force_switch_every"] = force_switch_every
         config.pop("trace", None)
     elif POLICY_TRACE[0] is not None:
-        config["trace"] = POLICY_TRACE[0]
+        # Each policy config its own trace: policy-period's goes to TRACE.period.
+        config["trace"] = POLICY_TRACE[0] + (f".{step_time}" if step_time else "")
     path = Path(tempfile.mkdtemp()) / "shape-policy.json"
     path.write_text(json.dumps(config))
     return str(path)
@@ -248,10 +260,12 @@ def engine_settings(
     config, backend, page_size = split_config(name, attention_backend)
     spec, _ = CONFIGS[config]
     extra = {}
-    if config == "policy":
+    if config in POLICY_STEP_TIME:
         extra.update(
             speculative_adaptive=True,
-            speculative_adaptive_config=policy_config_file(force_switch_every),
+            speculative_adaptive_config=policy_config_file(
+                force_switch_every, POLICY_STEP_TIME[config]
+            ),
         )
     if mixed is None:
         extra["cuda_graph_bs"] = sorted(set(batch_sizes))
@@ -287,7 +301,9 @@ def warm_jit_caches(
     config in the run, the warm-up engine is the policy cycling through its shapes every step
     at each power of two and each captured size up to the largest batch; otherwise the first
     config at bs 1 (the first engine's one-time costs)."""
-    if not any(split_config(n, attention_backend)[0] == "policy" for n in names):
+    if not any(
+        split_config(n, attention_backend)[0] in POLICY_STEP_TIME for n in names
+    ):
         measure(target, draft, names[0], [1], 16, vocab, 1, attention_backend)
         return
     largest = max([*batch_sizes, mixed.total_requests if mixed else 0])
@@ -406,7 +422,7 @@ def spec_efficiency(rows: list[dict], key: str = "tok_per_s") -> dict:
         for r in rows
         # The policy's accept length counts its unspeculated steps' tokens (tokens per
         # verify); a mixed load's rows have no one batch size.
-        if r["config"] not in ("none", "policy") and r["bs"] != MIXED
+        if r["config"] not in ("none", *POLICY_STEP_TIME) and r["bs"] != MIXED
         if r["bs"] in none and key in r
     }
 
@@ -658,7 +674,7 @@ def fixed_shape_rows(rows: list[dict], backend: str) -> Iterator[tuple[str, dict
         config, row_backend, page = split_config(r["config"], backend)
         spec, _ = CONFIGS[config]
         if (
-            config == "policy"
+            config in POLICY_STEP_TIME
             or spec is None
             or not spec.overlap
             or (row_backend, page) != (backend, 1)
@@ -720,7 +736,7 @@ def is_fixed_shape_like(name: str, policy: str) -> bool:
     config, backend, page = split_config(name, "")
     spec, env = CONFIGS[config]
     return (
-        config != "policy"
+        config not in POLICY_STEP_TIME
         and not KERNEL_SWITCHES & env.keys()  # an A/B of a switch, not a shape
         and spec is not None
         and spec.overlap
@@ -728,13 +744,14 @@ def is_fixed_shape_like(name: str, policy: str) -> bool:
     )
 
 
-def policy_ratios(rows: list[dict]) -> dict:
-    """Per bs (and the mixed load): the policy's tok/s over no speculation and over the best
-    fixed shape measured in the same run (the shape policy's targets, docs/shape-policy.md).
+def policy_ratios(rows: list[dict], policy: str = "policy") -> dict:
+    """Per bs (and the mixed load): policy config `policy`'s tok/s over no speculation and
+    over the best fixed shape measured in the same run (the shape policy's targets,
+    docs/shape-policy.md).
     {bs: (vs_none or None, vs_best_fixed or None, best fixed config or None)}."""
     out = {}
     for r in rows:
-        if r["config"] != "policy":
+        if r["config"] != policy:
             continue
         same_bs = [x for x in rows if x["bs"] == r["bs"]]
         none = next((x for x in same_bs if x["config"] == "none"), None)
@@ -749,11 +766,16 @@ def policy_ratios(rows: list[dict]) -> dict:
 
 
 def print_policy_ratios(rows: list[dict]) -> None:
-    ratios = policy_ratios(rows)
-    if not ratios:
-        return
+    for policy in POLICY_STEP_TIME:
+        ratios = policy_ratios(rows, policy)
+        if ratios:
+            print_one_policy_ratios(policy, ratios)
+
+
+def print_one_policy_ratios(policy: str, ratios: dict) -> None:
     print(
-        "policy (targets: >= 1.00x none, >= 0.95x the best fixed shape; mixed: > 1.00x):"
+        f"{policy} (targets: >= 1.00x none, >= 0.95x the best fixed shape; "
+        "mixed: > 1.00x):"
     )
     for bs, (vs_none, vs_best, best) in ratios.items():
         cells = [f"bs {bs}"]

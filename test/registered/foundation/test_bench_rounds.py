@@ -236,19 +236,53 @@ def test_a_written_policy_config_is_what_the_policy_config_runs(tmp_path, monkey
             {"shapes": ["4,3,8", "1,1,2"], "step_costs": {"4,3,8": {"1": 0.004}}}
         )
     )
-    saved = (
-        list(bench_e2e.POLICY_SHAPES),
-        bench_e2e.CONFIGS["policy"],
-        list(bench_e2e.POLICY_CONFIG),
-    )
-    try:
-        bench_e2e.set_policy_config(str(path))
-        kwargs = bench_e2e.engine_settings(Path("/t"), Path("/d"), "policy", [1], "x")
-    finally:
-        bench_e2e.POLICY_SHAPES[:], bench_e2e.CONFIGS["policy"] = saved[:2]
-        bench_e2e.POLICY_CONFIG[:] = saved[2]
+    for name in bench_e2e.POLICY_STEP_TIME:
+        monkeypatch.setitem(bench_e2e.CONFIGS, name, bench_e2e.CONFIGS[name])
+    monkeypatch.setattr(bench_e2e, "POLICY_SHAPES", list(bench_e2e.POLICY_SHAPES))
+    monkeypatch.setattr(bench_e2e, "POLICY_CONFIG", [None])
+    monkeypatch.setattr(bench_e2e, "POLICY_TRACE", [None])
+    bench_e2e.set_policy_config(str(path))
+    kwargs = bench_e2e.engine_settings(Path("/t"), Path("/d"), "policy", [1], "x")
     assert kwargs["speculative_adaptive_config"] == str(path)
     assert kwargs["speculative_eagle_topk"] == 4
+
+    # The same config timed by periods: a copy with "step_time", tracing to its own file.
+    bench_e2e.POLICY_TRACE[0] = str(tmp_path / "trace.jsonl")
+    period = bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "policy-period", [1], "x"
+    )
+    copied = json.loads(Path(period["speculative_adaptive_config"]).read_text())
+    assert copied["step_time"] == "period"
+    assert copied["step_costs"] == {"4,3,8": {"1": 0.004}}
+    assert copied["trace"] == str(tmp_path / "trace.jsonl.period")
+    assert period["speculative_eagle_topk"] == 4
+    plain = bench_e2e.engine_settings(Path("/t"), Path("/d"), "policy", [1], "x")
+    assert "step_time" not in json.loads(
+        Path(plain["speculative_adaptive_config"]).read_text()
+    )
+
+
+def test_each_policy_config_gets_its_own_ratios(capsys):
+    def row(config, bs, tok_per_s):
+        return {"config": config, "bs": bs, "tok_per_s": tok_per_s}
+
+    rows = [
+        row("none", 1, 100.0),
+        row("chain", 1, 150.0),
+        row("policy", 1, 140.0),
+        row("policy-period", 1, 160.0),  # not a fixed shape for the other policy
+    ]
+
+    assert bench_e2e.policy_ratios(rows)[1] == (
+        pytest.approx(1.4),
+        pytest.approx(140 / 150),
+        "chain",
+    )
+    assert bench_e2e.policy_ratios(rows, "policy-period")[1][2] == "chain"
+    bench_e2e.print_policy_ratios(rows)
+    out = capsys.readouterr().out
+    assert "policy (targets" in out and "policy-period (targets" in out
+    assert "1.07x chain" in out
 
 
 def test_policy_ratios_compare_with_no_speculation_and_the_best_fixed_shape():
