@@ -32,7 +32,7 @@ def prompts(toy_pair):
 
 def policy_kwargs(tmp_path, target, draft, shapes=SHAPES, **config_and_engine):
     config = {"shapes": shapes}
-    for key in ("force_switch_every", "patience", "margin"):
+    for key in ("force_switch_every", "patience", "margin", "step_time"):
         if key in config_and_engine:
             config[key] = config_and_engine.pop(key)
     path = tmp_path / "shape-policy.json"
@@ -150,13 +150,16 @@ def test_retraction_under_switching_keeps_identity_and_leaks_nothing(
     eng.assert_no_leak_reported(text)
 
 
+@pytest.mark.parametrize("step_time", ["span", "period"])
 def test_the_policy_chooses_by_batch_size_and_keeps_identity(
-    toy_pair, prompts, tmp_path, capfd, record_metric
+    toy_pair, prompts, tmp_path, capfd, record_metric, step_time
 ):
-    """Unforced: whatever the policy picks, outputs stay identical; the picks are recorded."""
+    """Unforced: whatever the policy picks, outputs stay identical; the picks are recorded.
+    With "period" each step's time starts at the end of the step before (device events
+    across steps, reset by the prefills in between)."""
     target, draft = toy_pair
     expected = synth.table_continuations(target, prompts, 256)
-    kwargs = policy_kwargs(tmp_path, target, draft, patience=2)
+    kwargs = policy_kwargs(tmp_path, target, draft, patience=2, step_time=step_time)
     with eng.engine(**kwargs) as e:
         for bs in (1, 48, 1):
             run = eng.generate(e, prompts[:bs], 256)
