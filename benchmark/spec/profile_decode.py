@@ -371,7 +371,13 @@ def profile_config(
     with_stack: bool = False,
     extra_env: dict[str, str] | None = None,
     settle_seconds: float = 0.05,
+    first_tokens: int = 0,
 ) -> dict:
+    """The profile summary of `num_steps` decode steps of config `name` at batch size bs;
+    with first_tokens > 0, of that many batches of the same prompts run to their first
+    token one after another instead (prefill of target and draft, the first sampled token
+    and whatever the scheduler launches before it sees the requests finished), "per step"
+    then meaning per batch."""
     config, _, _ = bench_e2e.split_config(name, eng.BUNDLE_FLAGS["attention_backend"])
     spec, env = bench_e2e.CONFIGS[config]
     env = {**env, **(extra_env or {})}
@@ -402,11 +408,14 @@ def profile_config(
             )
             await generation
 
-        e.loop.run_until_complete(decode_under_profiler())
+        if first_tokens:
+            profile_first_tokens(e, prompts, first_tokens, trace_dir, with_stack)
+        else:
+            e.loop.run_until_complete(decode_under_profiler())
         traces = sorted(trace_dir.glob("*.trace.json.gz"))
         if not traces:
             raise RuntimeError(f"{name}: the profiler wrote no trace under {trace_dir}")
-        summary = summarise_trace(traces[-1], num_steps)
+        summary = summarise_trace(traces[-1], first_tokens or num_steps)
     summary.update(
         config=name,
         bs=bs,
@@ -414,6 +423,24 @@ def profile_config(
         accept_length=warm.accept_length if spec else 1.0,
     )
     return summary
+
+
+def profile_first_tokens(
+    e, prompts: list[list[int]], count: int, trace_dir: Path, with_stack: bool
+) -> None:
+    """Profile `count` batches of `prompts`, each run to its first token, back to back.
+    The window is closed by hand: a batch that ends at its first token may run fewer
+    forwards than a step count would wait for."""
+    eng.generate(e, prompts, 1)  # this path's own first-use costs, outside the window
+    e.start_profile(
+        output_dir=str(trace_dir),
+        activities=["CPU", "GPU"],
+        with_stack=with_stack,
+        record_shapes=False,
+    )
+    for _ in range(count):
+        eng.generate(e, prompts, 1)
+    e.stop_profile()
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -447,6 +474,14 @@ def main() -> None:
         "batch size the window is past its prefill",
     )
     p.add_argument(
+        "--first-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile N batches run to their first token instead of decode steps (a "
+        "speculating engine's prefill path); per-step numbers are then per batch",
+    )
+    p.add_argument(
         "--with-stack", action="store_true", help="Python frames: names the sync sites"
     )
     p.add_argument(
@@ -477,6 +512,7 @@ def main() -> None:
             args.with_stack,
             parse_env(args.env),
             args.settle_seconds,
+            args.first_tokens,
         )
         results.append(s)
         print(

@@ -331,3 +331,38 @@ def test_kernel_time_is_charged_to_its_torch_op_and_launch_site():
         ["graph: " + draft, 40.0],
         ["?", 5.0],
     ]
+
+
+class FakeEngine:
+    """What profile_first_tokens calls, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, input_ids, sampling_params):
+        self.calls.append(("generate", sampling_params["max_new_tokens"]))
+        return [
+            {"output_ids": [0], "meta_info": {"completion_tokens": 1}}
+            for _ in input_ids
+        ]
+
+    def start_profile(self, **kwargs):
+        self.calls.append(("start", kwargs["output_dir"], "num_steps" in kwargs))
+
+    def stop_profile(self):
+        self.calls.append(("stop",))
+
+
+def test_first_tokens_are_profiled_in_a_window_closed_by_hand(tmp_path):
+    e = FakeEngine()
+
+    profile_decode.profile_first_tokens(e, [[1, 2], [3]], 3, tmp_path, False)
+
+    assert e.calls == [
+        ("generate", 1),  # first use, outside the window
+        ("start", str(tmp_path), False),  # no step count: closed by stop_profile
+        ("generate", 1),
+        ("generate", 1),
+        ("generate", 1),
+        ("stop",),
+    ]
