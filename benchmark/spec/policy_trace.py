@@ -1,0 +1,110 @@
+"""Summarise a shape policy trace (the "trace" file of --speculative-adaptive-config, as
+bench_e2e.py --policy-trace writes it): what the policy ran at each batch size, how long its
+steps took, where it switched, and its slow steps with the Triton compiles logged beside them.
+
+    python benchmark/spec/policy_trace.py trace.jsonl [--slow-ms 30]
+
+CPU only; reads plain or gzipped JSON lines (docs/benchmarks/*.jsonl.gz).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class TraceSummary:
+    # (bs, shape label) -> device seconds of each measured step
+    step_seconds: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+    switches: list[tuple[int, str, str, int]] = field(default_factory=list)
+    # (step, bs, shape, milliseconds, compiles logged on that line and the one before)
+    slow_steps: list[tuple[int, int, str, float, list]] = field(default_factory=list)
+    compiles: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+def read_lines(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarise(lines: list[dict], slow_ms: float = 30.0) -> TraceSummary:
+    """Under the overlap scheduler a step's result line is written after the next step has
+    launched, and a line lists the compiles finished since the line before it: those made
+    while a step launched are on the line written before that step's own line. A slow step
+    is shown with the compiles of both lines."""
+    summary = TraceSummary()
+    previous_compiles: list = []
+    for line in lines:
+        compiles = line.get("compiles", [])
+        for kernel, ms in compiles:
+            summary.compiles.append((line["step"], kernel, ms))
+        nearby, previous_compiles = previous_compiles + compiles, compiles
+        if "switch" in line:
+            old, new = line["switch"]
+            summary.switches.append((line["step"], old, new, line["bs"]))
+            continue
+        seconds = line.get("seconds")
+        if seconds is None:
+            continue
+        key = (line["bs"], line["shape"])
+        summary.step_seconds.setdefault(key, []).append(seconds)
+        if seconds * 1000 > slow_ms:
+            summary.slow_steps.append(
+                (
+                    line["step"],
+                    line["bs"],
+                    line["shape"],
+                    seconds * 1000,
+                    nearby,
+                )
+            )
+    return summary
+
+
+def print_summary(summary: TraceSummary, min_steps: int = 5) -> None:
+    print("steps by batch size and shape (count, median and max ms):")
+    for (bs, shape), seconds in sorted(summary.step_seconds.items()):
+        if len(seconds) >= min_steps:
+            print(
+                f"  bs {bs:>3} {shape:>8}: {len(seconds):>4} steps, "
+                f"median {statistics.median(seconds) * 1000:7.2f}, "
+                f"max {max(seconds) * 1000:8.1f}"
+            )
+    shapes = collections.Counter()
+    for (_, shape), seconds in summary.step_seconds.items():
+        shapes[shape] += len(seconds)
+    print("steps by shape: " + ", ".join(f"{s} {n}" for s, n in shapes.most_common()))
+    print(f"switches ({len(summary.switches)}):")
+    for step, old, new, bs in summary.switches:
+        print(f"  step {step}: {old} -> {new} at bs {bs}")
+    print(f"slow steps ({len(summary.slow_steps)}):")
+    for step, bs, shape, ms, compiles in summary.slow_steps:
+        names = ", ".join(f"{kernel} {c_ms:.0f} ms" for kernel, c_ms in compiles)
+        print(
+            f"  step {step}: bs {bs} {shape} {ms:.1f} ms"
+            + (f" | compiled: {names}" if names else "")
+        )
+    total = sum(ms for _, _, ms in summary.compiles)
+    print(f"Triton compiles logged: {len(summary.compiles)}, {total:.0f} ms in all")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", type=Path)
+    p.add_argument("--slow-ms", type=float, default=30.0)
+    p.add_argument(
+        "--min-steps", type=int, default=5, help="list (bs, shape) cells this full"
+    )
+    args = p.parse_args()
+    print_summary(summarise(read_lines(args.trace), args.slow_ms), args.min_steps)
+
+
+if __name__ == "__main__":
+    main()

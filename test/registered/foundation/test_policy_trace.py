@@ -1,0 +1,61 @@
+"""benchmark/spec/policy_trace.py: a shape policy trace summarised (steps per batch size and
+shape, switches, slow steps with the compiles logged beside them)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
+import policy_trace  # noqa: E402
+
+LINES = [
+    {"step": 1, "switch": ["16,3,32", "1,3,4"], "bs": 4},
+    {"step": 2, "shape": "1,3,4", "bs": 4, "seconds": 0.003, "accept": 2.5},
+    # Logged while step 3 launched: written on the line before step 3's own.
+    {
+        "step": 3,
+        "shape": "1,3,4",
+        "bs": 4,
+        "seconds": 0.003,
+        "compiles": [["assign_req_to_token_pool[bs_upper=4]", 412.0]],
+    },
+    {"step": 4, "shape": "1,3,4", "bs": 4, "seconds": 0.415},
+    {"step": 5, "shape": "1,3,4", "bs": 4, "seconds": None},  # not measured
+    {"step": 6, "shape": "4,3,8", "bs": 8, "seconds": 0.05},
+]
+
+
+def test_steps_switches_and_slow_steps_with_their_compiles():
+    summary = policy_trace.summarise(LINES, slow_ms=30)
+
+    assert summary.step_seconds == {
+        (4, "1,3,4"): [0.003, 0.003, 0.415],
+        (8, "4,3,8"): [0.05],
+    }
+    assert summary.switches == [(1, "16,3,32", "1,3,4", 4)]
+    (slow, other) = summary.slow_steps
+    assert slow[:3] == (4, 4, "1,3,4")
+    assert slow[3] == pytest.approx(415.0)
+    assert slow[4] == [["assign_req_to_token_pool[bs_upper=4]", 412.0]]
+    assert other[:3] == (6, 8, "4,3,8") and other[4] == []
+    assert summary.compiles == [(3, "assign_req_to_token_pool[bs_upper=4]", 412.0)]
+
+
+def test_gzipped_traces_are_read(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(line) + "\n" for line in LINES))
+
+    policy_trace.print_summary(
+        policy_trace.summarise(policy_trace.read_lines(path)), min_steps=1
+    )
+
+    out = capsys.readouterr().out
+    assert "bs   4    1,3,4:    3 steps" in out
+    assert "step 4: bs 4 1,3,4 415.0 ms | compiled: assign_req_to_token_pool" in out
+    assert "Triton compiles logged: 1, 412 ms in all" in out
