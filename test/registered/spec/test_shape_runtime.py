@@ -756,6 +756,8 @@ def test_the_trace_says_what_each_result_taught_the_policy(tmp_path):
     lines = [json.loads(line) for line in trace_path.read_text().splitlines()]
     assert lines[0] == {"step": 2, "switch": ["16,3,32", "4,3,8"], "bs": 2}
     result = lines[1]
+    # The wide tree's step was the first launched; its result is read after the second.
+    assert result["step"] == 1
     assert (result["shape"], result["bs"], result["accept"]) == ("16,3,32", 2, 2.5)
     assert result["seconds"] == pytest.approx(8e-3)
     assert result["scores"]["16,3,32"] == pytest.approx(

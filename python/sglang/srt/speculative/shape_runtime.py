@@ -443,19 +443,22 @@ class _Launch:
     bs: int
     start: Optional[object] = None  # StepClock marks; None when costs are not measured
     end: Optional[object] = None
+    step: int = 0  # the controller's count of decode steps at this launch
     # With step_time PERIOD: the end mark of the decode step launched just before, when it
     # ran this shape and no other forward came between (None otherwise: the span is used).
     previous_end: Optional[object] = None
 
 
 class ShapeTrace:
-    """The config's "trace" file: one JSON object per line, for each decode result the shape
-    that launched it, its batch size, measured step seconds (null when not measured), mean
-    accept length and the policy's scores (tokens per second per request) of every shape at
-    that batch size afterwards; for each switch, the shapes and the batch size. A line also
-    lists, as "compiles" ([kernel[constexprs], milliseconds] each), the Triton kernel variants
-    this process compiled or loaded since the line before: a step that took hundreds of
-    milliseconds names what it waited for."""
+    """The config's "trace" file: one JSON object per line, for each decode result the
+    number of the step that launched it, its shape and batch size, measured step seconds
+    (null when not measured), mean accept length and the policy's scores (tokens per second
+    per request) of every shape at that batch size afterwards; for each switch, the step,
+    the shapes and the batch size. A line also lists, as "compiles" ([kernel[constexprs],
+    milliseconds] each), the Triton kernel variants this process compiled or loaded since
+    the line before: a step that took hundreds of milliseconds names what it waited for.
+    Under the overlap scheduler a result line is written after the next step launched, so
+    the compiles of that launch are on the line written before its own result's."""
 
     def __init__(self, stream: TextIO, compiles: Optional["JitCompileLog"] = None):
         self._stream = stream
@@ -471,14 +474,13 @@ class ShapeTrace:
 
     def result(
         self,
-        step: int,
         launch: "_Launch",
         seconds: Optional[float],
         accept_length: float,
         scores: Mapping[str, float],
     ) -> None:
         self._write(
-            step=step,
+            step=launch.step,
             shape=launch.shape.label,
             bs=launch.bs,
             seconds=seconds,
@@ -597,7 +599,11 @@ class ShapeController:
         previous_end = None
         if self._last_end is not None and self._last_end[0] == shape:
             previous_end = self._last_end[1]
-        self._pending.append(_Launch(shape, bs, start, previous_end=previous_end))
+        self._pending.append(
+            _Launch(
+                shape, bs, start, previous_end=previous_end, step=self._decode_steps
+            )
+        )
         return shape
 
     def after_decode(self) -> None:
@@ -636,7 +642,7 @@ class ShapeController:
         if self._trace is not None:
             scores = {s.label: self.policy.score(s, launch.bs) for s in self._shapes}
             mean = sum(accept_lengths) / len(accept_lengths)
-            self._trace.result(self._decode_steps, launch, seconds, mean, scores)
+            self._trace.result(launch, seconds, mean, scores)
 
 
 def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
