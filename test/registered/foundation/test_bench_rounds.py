@@ -262,10 +262,12 @@ def test_a_written_policy_config_is_what_the_policy_config_runs(tmp_path, monkey
     )
 
 
-def test_each_policy_config_gets_its_own_ratios(capsys):
-    def row(config, bs, tok_per_s):
-        return {"config": config, "bs": bs, "tok_per_s": tok_per_s}
+def row(config, bs, tok_per_s):
+    """A benchmark row as policy_ratios reads it."""
+    return {"config": config, "bs": bs, "tok_per_s": tok_per_s}
 
+
+def test_each_policy_config_gets_its_own_ratios(capsys):
     rows = [
         row("none", 1, 100.0),
         row("chain", 1, 150.0),
@@ -286,9 +288,6 @@ def test_each_policy_config_gets_its_own_ratios(capsys):
 
 
 def test_policy_ratios_compare_with_no_speculation_and_the_best_fixed_shape():
-    def row(config, bs, tok_per_s):
-        return {"config": config, "bs": bs, "tok_per_s": tok_per_s}
-
     rows = [
         row("none", 1, 100.0),
         row("tree", 1, 180.0),

@@ -53,13 +53,15 @@ def _eager_kernel(slots, n, BLOCK: tl.constexpr):
     pass
 
 
-def specialisation(kernel, value, constexpr: int = 4) -> tuple:
+def specialisation(kernel, value, constexpr: int = 4, **overrides) -> tuple:
     """Triton's specialisation key of a launch passing `value` (a tensor or an int) for
-    every runtime argument and `constexpr` for every constexpr."""
+    every runtime argument and `constexpr` for every constexpr, but `overrides` by name.
+    """
     binder = create_function_from_signature(
         kernel.signature, kernel.params, BaseBackend
     )
     args = {p.name: constexpr if p.is_constexpr else value for p in kernel.params}
+    args.update((name, v) for name, v in overrides.items() if name in args)
     return tuple(binder(**args)[1])
 
 
@@ -116,17 +118,6 @@ ROW_WIDTHS = {
 }
 
 
-def specialisation_with_row_width(kernel, width: int) -> tuple:
-    binder = create_function_from_signature(
-        kernel.signature, kernel.params, BaseBackend
-    )
-    args = {
-        p.name: width if p.name in ROW_WIDTHS else 4 if p.is_constexpr else SLOTS
-        for p in kernel.params
-    }
-    return tuple(binder(**args)[1])
-
-
 # The decode step's index kernels that address req_to_token or the draft KV index buffers.
 ROW_WIDTH_KERNELS = [
     ("sglang.srt.speculative.spec_utils", "assign_req_to_token_pool"),
@@ -146,7 +137,10 @@ def test_decode_step_index_kernels_share_compiles_across_pool_sizes(module, name
     finds every index kernel already compiled: no row width is a constexpr."""
     kernel = getattr(importlib.import_module(module), name)
     assert {p.name for p in kernel.params} & ROW_WIDTHS, "takes no row width"
-    keys = {specialisation_with_row_width(kernel, w) for w in (4096, 4112, 65536)}
+    keys = {
+        specialisation(kernel, SLOTS, **dict.fromkeys(ROW_WIDTHS, width))
+        for width in (4096, 4112, 65536)
+    }
     assert len(keys) == 1, "a row width selects a compile"
 
 
