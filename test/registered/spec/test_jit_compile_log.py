@@ -82,6 +82,20 @@ def test_a_compile_is_named_with_its_constexprs_and_timed(own_hooks):
     assert log.drain() == []
 
 
+def test_a_kernel_defined_in_a_function_is_named_without_its_scope(own_hooks):
+    """Triton names a hook's function by its qualified name; the log keeps the last part."""
+
+    @triton.jit
+    def fill(out, BLOCK: tl.constexpr):
+        pass
+
+    log = JitCompileLog(clock=(clock := Clock())).install()
+    compile_through_hooks(fill, clock, 0.5, BLOCK=64)
+
+    (compiled,) = log.drain()
+    assert compiled.label() == "fill[BLOCK=64]"
+
+
 def test_the_label_names_kernel_and_constexprs():
     assert (
         JitCompile("_slots_kernel", (("bs_upper", 32), ("PAGE", 1)), 0.25).label()

@@ -23,7 +23,7 @@ from triton import knobs
 
 @dataclass(frozen=True)
 class JitCompile:
-    kernel: str  # the @triton.jit function's name
+    kernel: str  # the @triton.jit function's name, without its enclosing scopes
     constexprs: tuple[tuple[str, Any], ...]  # (parameter, value), in parameter order
     seconds: float  # compile, or load from Triton's cache, of this variant
 
@@ -46,6 +46,12 @@ def constexpr_names(
     return tuple(named)
 
 
+def kernel_name(fn_info: Any) -> str:
+    """A hook's function by its own name: Triton passes the qualified one, which for a kernel
+    defined in a function or class carries that scope ("outer.<locals>.fill")."""
+    return fn_info.name.rsplit(".", 1)[-1]
+
+
 class JitCompileLog:
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self._clock = clock
@@ -58,7 +64,7 @@ class JitCompileLog:
         after_previous = knobs.runtime.jit_post_compile_hook
 
         def before(**hook_args) -> Optional[bool]:
-            self.started(hook_args["fn"].name, hook_args["key"])
+            self.started(kernel_name(hook_args["fn"]), hook_args["key"])
             if before_previous is not None:
                 return before_previous(**hook_args)
             return None
@@ -66,7 +72,7 @@ class JitCompileLog:
         def after(**hook_args) -> Optional[bool]:
             fn = hook_args["fn"]
             self.finished(
-                fn.name,
+                kernel_name(fn),
                 hook_args["key"],
                 constexpr_names(
                     fn.jit_function.arg_names, hook_args["compile"]["constants"]
