@@ -14,8 +14,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from triton.backends import BaseBackend
-from triton.runtime.jit import create_function_from_signature
 
 from sglang.srt.speculative.eagle_info_v2 import fill_bonus_tokens
 from sglang.srt.speculative.spec_utils import (
@@ -24,6 +22,7 @@ from sglang.srt.speculative.spec_utils import (
 )
 from sglang.srt.utils.eager_jit import eager_jit
 from specpatch.testing.sm90_compile import launches_compile_for_sm90
+from specpatch.testing.triton_keys import specialisation
 
 # (module, kernel): every kernel the decode step launches eagerly that takes per-step slices
 # or counts.
@@ -51,18 +50,6 @@ def _plain_kernel(slots, n, BLOCK: tl.constexpr):
 @eager_jit
 def _eager_kernel(slots, n, BLOCK: tl.constexpr):
     pass
-
-
-def specialisation(kernel, value, constexpr: int = 4, **overrides) -> tuple:
-    """Triton's specialisation key of a launch passing `value` (a tensor or an int) for
-    every runtime argument and `constexpr` for every constexpr, but `overrides` by name.
-    """
-    binder = create_function_from_signature(
-        kernel.signature, kernel.params, BaseBackend
-    )
-    args = {p.name: constexpr if p.is_constexpr else value for p in kernel.params}
-    args.update((name, v) for name, v in overrides.items() if name in args)
-    return tuple(binder(**args)[1])
 
 
 def keys(kernel, values) -> set:

@@ -16,6 +16,7 @@ from specpatch.testing import engine as eng
 from specpatch.testing import synth
 from specpatch.testing.interpret import interpreter_suite
 from specpatch.testing.sm90_compile import launches_compile_for_sm90
+from specpatch.testing.triton_keys import specialisation
 
 HERE = Path(__file__).resolve().parent
 NAMES = [
@@ -56,7 +57,46 @@ def test_the_plan_packs_the_gqa_group_and_splits_towards_one_program_per_sm(enab
     )
     # Uneven lengths round up; a group of 3 pads its tile.
     assert sp.plan_split_prefix(3, 2, 24, 8, 64, 64) == sp.SplitPlan(3, 4, 16, 8)
-    assert sp.plan_split_prefix(1, 1, 4, 4, 16, 16) == sp.SplitPlan(1, 1, 16, 16)
+    # MHA: one head a tile, whose 16 rows every extend up to 16 rows shares.
+    assert sp.plan_split_prefix(1, 1, 4, 4, 16, 16) == sp.SplitPlan(1, 16, 16, 16)
+
+
+@pytest.mark.parametrize(
+    "group,rows", [(1, 16), (2, 8), (3, 4), (4, 4), (6, 2), (8, 2), (16, 1), (32, 1)]
+)
+def test_short_extends_share_the_rows_a_16_row_tile_holds(enabled, group, rows):
+    """Extends of 1 .. rows tokens (a prefill that extends a cached prefix by a token or
+    two, a chain's verify) get one Q_ROWS, hence one compile, and the tile they had."""
+    assert sp.min_q_rows(group) == rows
+    plans = {
+        sp.plan_split_prefix(n, 1, group * 2, 2, 64, 64) for n in range(1, rows + 1)
+    }
+    assert {(p.q_rows, p.tile_rows) for p in plans} == {(rows, max(16, group * rows))}
+    longer = sp.plan_split_prefix(rows * 2, 1, group * 2, 2, 64, 64)
+    assert longer is None or longer.q_rows == rows * 2
+
+
+def test_the_split_count_is_a_runtime_argument_of_one_compile():
+    """Batch sizes pick 1-16 splits; the partial kernel's Triton specialisation key is the
+    same for all of them (one compile), while a constexpr (Q_ROWS) still tells variants
+    apart."""
+
+    def key(num_splits, q_rows=4):
+        return specialisation(
+            sp._partial_kernel,
+            torch.zeros(4),
+            num_splits=num_splits,
+            GROUP=4,
+            Q_ROWS=q_rows,
+            TILE_ROWS=16,
+            BLOCK_N=32,
+            D=128,
+            USE_CUSTOM_MASK=False,
+            IS_CAUSAL=True,
+        )
+
+    assert len({key(n) for n in (1, 2, 4, 8, 16)}) == 1
+    assert key(4, q_rows=4) != key(4, q_rows=8)
 
 
 @pytest.mark.parametrize(

@@ -54,9 +54,10 @@ _ENABLED = enabled_by_env()
 @dataclass(frozen=True)
 class SplitPlan:
     """The launch shape: `group` query heads per KV head, `q_rows` rows per request (the
-    longest extend, to a power of two), `tile_rows` = group x q_rows to a power of two (at
-    least 16, tl.dot's smallest), `num_splits` prefix splits, and the partial kernel's
-    `num_warps`."""
+    longest extend to a power of two, and at least as many as fill a 16-row tile with the
+    group: min_q_rows), `tile_rows` = group x q_rows to a power of two (at least 16,
+    tl.dot's smallest), `num_splits` prefix splits, and the partial kernel's `num_warps`.
+    """
 
     group: int
     q_rows: int
@@ -74,6 +75,16 @@ def partial_warps(tile_rows: int) -> int:
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def min_q_rows(group: int) -> int:
+    """The most rows per request that still fit a group of `group` heads in 16 tile rows, a
+    power of two. Extends shorter than that take the same 16-row tile whatever their
+    length, so they share one compile (Q_ROWS is a constexpr) instead of one per length: a
+    prefill that extends a cached prefix by one or two tokens would otherwise compile its
+    own variants the first time a server meets it, after any warm-up."""
+    fit = max(16 // group, 1)
+    return 1 << (fit.bit_length() - 1)
 
 
 def plain_extend(
@@ -123,7 +134,7 @@ def plan_split_prefix(
     ):
         return None
     group = num_heads // num_kv_heads
-    q_rows = _next_power_of_2(max_len_extend)
+    q_rows = max(_next_power_of_2(max_len_extend), min_q_rows(group))
     tile_rows = max(16, _next_power_of_2(group * q_rows))
     if tile_rows > MAX_TILE_ROWS:
         return None
@@ -171,7 +182,7 @@ def _attend_prefix_share(
     sm_scale,
     k_scale,
     v_scale,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
 ):
@@ -179,7 +190,7 @@ def _attend_prefix_share(
     row sees all of it) into the running softmax state."""
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    chunk = tl.cdiv(tl.cdiv(p_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(p_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, p_len)
     for start in range(lo, hi, BLOCK_N):
@@ -276,7 +287,9 @@ def _attend_extend_block(
     return m_i, l_i, acc
 
 
-@triton.jit
+# The split count follows the batch size (1-16 splits): a runtime argument, unspecialised, so
+# that the batch sizes a server passes through share this kernel's compiles.
+@triton.jit(do_not_specialize=["num_splits"])
 def _partial_kernel(
     Q,
     K_Extend,
@@ -310,10 +323,10 @@ def _partial_kernel(
     stride_lb,
     stride_ls,
     stride_lh,
+    num_splits,
     GROUP: tl.constexpr,
     Q_ROWS: tl.constexpr,
     TILE_ROWS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
     USE_CUSTOM_MASK: tl.constexpr,
@@ -345,7 +358,7 @@ def _partial_kernel(
     # Two helpers, not two inline branches: triton merges the variables that both branches
     # of an `if` assign, and their types differ (int64 query offsets against int32 prefix
     # offsets; an fp8 KV cache against the extend's dtype).
-    if split < NUM_SPLITS:
+    if split < num_splits:
         m_i, l_i, acc = _attend_prefix_share(
             q,
             m_i,
@@ -366,7 +379,7 @@ def _partial_kernel(
             sm_scale,
             k_scale,
             v_scale,
-            NUM_SPLITS,
+            num_splits,
             BLOCK_N,
             D,
         )
@@ -554,10 +567,10 @@ def split_prefix_extend_attention(
         v_buffer.stride(1),
         *partial_o.stride()[:4],
         *partial_lse.stride()[:3],
+        plan.num_splits,
         GROUP=plan.group,
         Q_ROWS=plan.q_rows,
         TILE_ROWS=plan.tile_rows,
-        NUM_SPLITS=plan.num_splits,
         BLOCK_N=BLOCK_N,
         D=dim,
         USE_CUSTOM_MASK=use_custom_mask,
