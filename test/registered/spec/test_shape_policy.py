@@ -322,6 +322,19 @@ def test_a_decisive_challenger_switches_at_once():
     assert policy.counters.switches == 2
 
 
+def test_a_switch_into_none_waits_out_patience_however_far_ahead():
+    """A batch that jumps from 1 to 48 finds no speculation 2.75x the wide tree: the chain,
+    2.2x, takes over at once, and no speculation only after `patience` decisions; a batch
+    that passes through such a size for fewer steps never leaves speculation (the catch-up
+    after `none` is not in its score)."""
+    policy = make_policy(patience=8)
+    assert run(policy, 1, 2) == [WIDE] * 2
+    assert run(policy, 48, 10) == [CHAIN] * 8 + [NONE] * 2
+    passing = make_policy(initial=CHAIN, patience=8)
+    assert run(passing, 48, 3) + run(passing, 16, 2) == [CHAIN] * 5
+    assert passing.counters.switches == 0
+
+
 def test_a_challenger_within_the_margin_never_takes_over():
     # At bs 1 the narrow tree scores 2.9 / 3.6 ms = 806 /s, the wide one 825 /s: no switch
     # from narrow with a 5 % margin, although the wide tree is better.

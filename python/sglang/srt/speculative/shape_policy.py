@@ -340,9 +340,12 @@ class ShapePolicy:
                 self._streak += 1
             else:
                 self._challenger, self._streak = best, 1
-            decisive = (1 + self.config.decisive_margin) * self.score(self.current, bs)
-            if self._streak >= self.config.patience or self.score(best, bs) > decisive:
+            if self._streak >= self.config.patience:
                 self._switch(best)
+            else:
+                decisive = self._decisive_challenger(bs)
+                if decisive is not None:
+                    self._switch(decisive)
         else:
             self._challenger, self._streak = None, 0
         probe = self._stale_contender(bs)
@@ -363,6 +366,20 @@ class ShapePolicy:
 
     def observe_step_time(self, shape: Shape, bs: int, seconds: float) -> None:
         self.costs.observe(shape, bs, seconds)
+
+    def _decisive_challenger(self, bs: int) -> Optional[Shape]:
+        """The best speculating shape where it beats the running one by decisive_margin: a
+        switch that does not wait out patience. A switch into `none` always waits: the first
+        speculating step after it catches the draft up on every step it skipped (a cost its
+        score does not carry), so a `none` run of a step or two, where a shrinking or growing
+        batch passes a size `none` scores well at, costs more than it saves."""
+        floor = (1 + self.config.decisive_margin) * self.score(self.current, bs)
+        contenders = [
+            s
+            for s in self.config.shapes
+            if s.speculates and s != self.current and self.score(s, bs) > floor
+        ]
+        return max(contenders, key=lambda s: (self.score(s, bs), s), default=None)
 
     def _stale_contender(self, bs: int) -> Optional[Shape]:
         """An idle shape whose stale score is within the margin of the running one."""
