@@ -16,13 +16,13 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
-from triton.backends import BaseBackend
 from triton.backends.nvidia.compiler import CUDAOptions
-from triton.runtime.jit import compute_cache_key, create_function_from_signature
+from triton.runtime.jit import compute_cache_key
 
 from sglang.srt.speculative import shape_runtime as rt
 from sglang.srt.speculative.shape_policy import Shape
 from sglang.srt.utils.jit_compile_log import JitCompile, JitCompileLog
+from specpatch.testing.triton_keys import specialisation
 
 
 @triton.jit
@@ -48,14 +48,7 @@ def own_hooks(monkeypatch):
 def compile_through_hooks(kernel, clock: Clock, seconds: float, **constexprs) -> object:
     """What JITFunction._do_compile does around a compile, without compiling: the cache hook,
     `seconds` on the clock, the post-compile hook. Returns the cache hook's answer."""
-    binder = create_function_from_signature(
-        kernel.signature, kernel.params, BaseBackend
-    )
-    args = {
-        p.name: constexprs[p.name] if p.is_constexpr else torch.zeros(4)
-        for p in kernel.params
-    }
-    _, specialization, _ = binder(**args)
+    specialization = list(specialisation(kernel, torch.zeros(4), **constexprs))
     options = CUDAOptions()
     key = compute_cache_key({}, specialization, options)
     signature = {p.name: "*fp32" for p in kernel.params if not p.is_constexpr}
