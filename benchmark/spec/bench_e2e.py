@@ -392,6 +392,7 @@ def measure(
                     "bs": bs,
                     "tok_per_s": best.tok_per_s,
                     "decode_tok_per_s": decode_tok_per_s(best, first),
+                    "first_token_ms": first.seconds * 1e3,
                     "accept_length": best.accept_length if spec else 1.0,
                     "diverged": diverged_requests(
                         best, batch, successor, max_new_tokens
@@ -430,15 +431,19 @@ def spec_efficiency(rows: list[dict], key: str = "tok_per_s") -> dict:
 def print_spec_efficiency(rows: list[dict]) -> None:
     whole = spec_efficiency(rows)
     decode = spec_efficiency(rows, "decode_tok_per_s")
-    if not whole:
-        return
-    print("spec efficiency, whole requests / past the first token:")
-    for (config, bs), value in whole.items():
-        past = decode.get((config, bs))
-        print(
-            f"  {config} bs {bs}: {value:.3f}"
-            + (f" / {past:.3f}" if past is not None else "")
-        )
+    if whole:
+        print("spec efficiency, whole requests / past the first token:")
+        for (config, bs), value in whole.items():
+            past = decode.get((config, bs))
+            print(
+                f"  {config} bs {bs}: {value:.3f}"
+                + (f" / {past:.3f}" if past is not None else "")
+            )
+    first = [r for r in rows if "first_token_ms" in r]
+    if first:
+        print("first token (the batch's prompts to one token, best run), ms:")
+        for r in first:
+            print(f"  {r['config']} bs {r['bs']}: {r['first_token_ms']:.1f}")
 
 
 def main() -> None:

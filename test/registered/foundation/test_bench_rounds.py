@@ -370,6 +370,21 @@ def test_decode_rate_leaves_out_the_first_token_run():
     assert bench_e2e.decode_tok_per_s(run, first) == pytest.approx(4 * 127 / 1.2)
 
 
+def test_the_first_token_time_is_printed_per_row(capsys):
+    rows = [
+        {"config": "none", "bs": 1, "tok_per_s": 160.0, "first_token_ms": 18.61},
+        dict(config="chain", bs=1, tok_per_s=300.0, accept_length=2.5)
+        | {"first_token_ms": 33.84},
+        dict(config="chain", bs="mixed", tok_per_s=3300.0, accept_length=2.5),
+    ]
+
+    bench_e2e.print_spec_efficiency(rows)
+
+    out = capsys.readouterr().out
+    assert "  chain bs 1: 0.750\n" in out
+    assert out.endswith("ms:\n  none bs 1: 18.6\n  chain bs 1: 33.8\n")
+
+
 def test_spec_efficiency_against_no_speculation_at_each_batch_size():
     rows = [
         {"config": "none", "bs": 1, "tok_per_s": 160.0, "decode_tok_per_s": 170.0},
