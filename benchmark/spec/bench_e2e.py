@@ -384,7 +384,8 @@ def measure(
             batch = prompts(bs, vocab, seed=bs)
             best = eng.best_of(e, batch, max_new_tokens, repeats)
             # The same prompts to their first token only: prefill (the draft's too) and the
-            # first sampled token, what every request pays once whatever its length.
+            # first sampled token, what every request pays once whatever its length. The
+            # prompts are in the radix cache by now: the prefill extends a cached prefix.
             first = eng.best_of(e, batch, 1, repeats)
             rows.append(
                 {

@@ -377,7 +377,8 @@ def profile_config(
     with first_tokens > 0, of that many batches of the same prompts run to their first
     token one after another instead (prefill of target and draft, the first sampled token
     and whatever the scheduler launches before it sees the requests finished), "per step"
-    then meaning per batch."""
+    then meaning per batch. After the warm-up the prompts are in the radix cache, so each
+    prefill extends a cached prefix by the prompt's last token."""
     config, _, _ = bench_e2e.split_config(name, eng.BUNDLE_FLAGS["attention_backend"])
     spec, env = bench_e2e.CONFIGS[config]
     env = {**env, **(extra_env or {})}
