@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -356,7 +357,12 @@ def measure(
     spec, env = CONFIGS[config]
     rows = []
     kwargs = engine_settings(target, draft, name, batch_sizes, attention_backend, mixed)
+    started = time.perf_counter()
     with scoped_env(env), eng.engine(**kwargs) as e:
+        # How many engines a device call holds is set by start-up (weights, graph captures),
+        # not by the measured runs: printed at once, so a run cut short still shows it.
+        start_s = round(time.perf_counter() - started, 1)
+        print(f"{name}: engine started in {start_s:.0f} s", flush=True)
         loads = [os.getloadavg()[0]]
         if mixed is not None:
             ramp = prompts(mixed.total_requests, vocab, seed=99)
@@ -403,6 +409,7 @@ def measure(
         loads.append(os.getloadavg()[0])
     for r in rows:
         r["host_load"] = round(max(loads), 1)
+        r["engine_start_s"] = start_s
     return rows
 
 

@@ -407,3 +407,29 @@ def test_spec_efficiency_against_no_speculation_at_each_batch_size():
     assert bench_e2e.spec_efficiency(rows, "decode_tok_per_s") == {
         ("tree", 1): pytest.approx(340 / (170 * 2.5)),
     }
+
+
+def test_each_row_records_its_engines_start_up_time(monkeypatch, capsys):
+    import contextlib
+
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    clock = iter([100.0, 187.25])  # before the engine starts, once it is up
+
+    @contextlib.contextmanager
+    def fake_engine(**kwargs):
+        yield object()
+
+    monkeypatch.setattr(bench_e2e.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(bench_e2e.eng, "engine", fake_engine)
+    monkeypatch.setattr(
+        bench_e2e.eng,
+        "best_of",
+        lambda e, batch, n, repeats: eng.GreedyRun(
+            output_ids=[[0] * n] * len(batch), seconds=1.0, completion_tokens=n
+        ),
+    )
+
+    rows = bench_e2e.measure(Path("/t"), Path("/d"), "none", [1, 4], 8, 100)
+
+    assert [r["engine_start_s"] for r in rows] == [87.2, 87.2]
+    assert capsys.readouterr().out == "none: engine started in 87 s\n"
