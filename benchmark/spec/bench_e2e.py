@@ -37,7 +37,7 @@ from typing import Iterator, Optional, Union
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from specpatch.testing import engine as eng  # noqa: E402
-from specpatch.testing import synth  # noqa: E402
+from specpatch.testing import scheduler_host, synth  # noqa: E402
 
 CONFIGS = {
     "none": (None, {}),
@@ -363,11 +363,13 @@ def measure(
         # not by the measured runs: printed at once, so a run cut short still shows it.
         start_s = round(time.perf_counter() - started, 1)
         print(f"{name}: engine started in {start_s:.0f} s", flush=True)
+        schedulers = scheduler_host.scheduler_processes()
         loads = [os.getloadavg()[0]]
         if mixed is not None:
             ramp = prompts(mixed.total_requests, vocab, seed=99)
             delays, tokens = mixed.arrivals(max_new_tokens)
             eng.arrivals_generate(e, ramp, tokens, delays)  # warm-up
+            before = scheduler_host.snapshot(schedulers)
             run = max(
                 (
                     eng.arrivals_generate(e, ramp, tokens, delays)
@@ -375,6 +377,7 @@ def measure(
                 ),
                 key=lambda r: r.tok_per_s,
             )
+            usage = scheduler_host.snapshot(schedulers).since(before)
             rows.append(
                 {
                     "config": name,
@@ -383,12 +386,15 @@ def measure(
                     "tok_per_s": run.tok_per_s,
                     "accept_length": run.accept_length if spec else 1.0,
                     "diverged": diverged_requests(run, ramp, successor, tokens),
+                    **scheduler_use(usage),
                 }
             )
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
             batch = prompts(bs, vocab, seed=bs)
+            before = scheduler_host.snapshot(schedulers)
             best = eng.best_of(e, batch, max_new_tokens, repeats)
+            usage = scheduler_host.snapshot(schedulers).since(before)
             # The same prompts to their first token only: prefill (the draft's too) and the
             # first sampled token, what every request pays once whatever its length. The
             # prompts are in the radix cache by now: the prefill extends a cached prefix.
@@ -404,6 +410,7 @@ def measure(
                     "diverged": diverged_requests(
                         best, batch, successor, max_new_tokens
                     ),
+                    **scheduler_use(usage),
                 }
             )
         loads.append(os.getloadavg()[0])
@@ -411,6 +418,16 @@ def measure(
         r["host_load"] = round(max(loads), 1)
         r["engine_start_s"] = start_s
     return rows
+
+
+def scheduler_use(usage: scheduler_host.HostUsage) -> dict:
+    """A row's record of its scheduler processes over its timed runs: CPU seconds per second
+    and involuntary context switches per second (a loop that shares its core shows both).
+    """
+    return {
+        "scheduler_busy": round(usage.busy, 2),
+        "scheduler_preempted_per_s": round(usage.preempted_per_s, 1),
+    }
 
 
 def decode_tok_per_s(run: eng.GreedyRun, first_token: eng.GreedyRun) -> float:
@@ -452,6 +469,19 @@ def print_spec_efficiency(rows: list[dict]) -> None:
         print("first token (the batch's prompts to one token, best run), ms:")
         for r in first:
             print(f"  {r['config']} bs {r['bs']}: {r['first_token_ms']:.1f}")
+
+
+def print_scheduler_use(rows: list[dict]) -> None:
+    """Each row's scheduler CPU use: two engines of one config whose host loops ran at
+    different speeds show it here, not in their configs."""
+    used = [r for r in rows if "scheduler_busy" in r]
+    if used:
+        print("scheduler CPU seconds per second / involuntary switches per second:")
+        for r in used:
+            print(
+                f"  {r['config']} bs {r['bs']}: {r['scheduler_busy']:.2f} / "
+                f"{r['scheduler_preempted_per_s']:.1f}"
+            )
 
 
 def main() -> None:
@@ -623,6 +653,7 @@ def main() -> None:
     )
     print_policy_ratios(rows)
     print_spec_efficiency(rows)
+    print_scheduler_use(rows)
     for pair in filter(None, args.ratios.split(",")):
         num, den = pair.split("/")
         print_pair_ratios(rows, num, den, "tok_per_s", f"{num} / {den} tok/s")

@@ -433,3 +433,57 @@ def test_each_row_records_its_engines_start_up_time(monkeypatch, capsys):
 
     assert [r["engine_start_s"] for r in rows] == [87.2, 87.2]
     assert capsys.readouterr().out == "none: engine started in 87 s\n"
+
+
+def test_each_row_records_its_schedulers_cpu_use_over_its_timed_runs(
+    monkeypatch, capsys
+):
+    import contextlib
+
+    from specpatch.testing import scheduler_host
+
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    schedulers = ["the engine's scheduler"]
+    monkeypatch.setattr(scheduler_host, "scheduler_processes", lambda: schedulers)
+    # Totals read before and after each row's timed runs (not its first-token runs).
+    totals = iter(
+        [
+            scheduler_host.HostUsage(cpu_s=10.0, preemptions=5, wall_s=100.0),
+            scheduler_host.HostUsage(cpu_s=11.9, preemptions=25, wall_s=102.0),
+            scheduler_host.HostUsage(cpu_s=20.0, preemptions=30, wall_s=110.0),
+            scheduler_host.HostUsage(cpu_s=21.0, preemptions=30, wall_s=112.0),
+        ]
+    )
+
+    def snapshot(procs):
+        assert procs is schedulers
+        return next(totals)
+
+    monkeypatch.setattr(scheduler_host, "snapshot", snapshot)
+
+    @contextlib.contextmanager
+    def fake_engine(**kwargs):
+        yield object()
+
+    monkeypatch.setattr(bench_e2e.eng, "engine", fake_engine)
+    monkeypatch.setattr(
+        bench_e2e.eng,
+        "best_of",
+        lambda e, batch, n, repeats: eng.GreedyRun(
+            output_ids=[[0] * n] * len(batch), seconds=1.0, completion_tokens=n
+        ),
+    )
+
+    rows = bench_e2e.measure(Path("/t"), Path("/d"), "chain", [1, 4], 8, 100)
+    capsys.readouterr()
+    bench_e2e.print_scheduler_use(rows)
+
+    assert [(r["scheduler_busy"], r["scheduler_preempted_per_s"]) for r in rows] == [
+        (0.95, 10.0),
+        (0.5, 0.0),
+    ]
+    assert capsys.readouterr().out == (
+        "scheduler CPU seconds per second / involuntary switches per second:\n"
+        "  chain bs 1: 0.95 / 10.0\n"
+        "  chain bs 4: 0.50 / 0.0\n"
+    )

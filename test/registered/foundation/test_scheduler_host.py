@@ -1,0 +1,88 @@
+"""specpatch.testing.scheduler_host: how busy an engine's scheduler processes were, found by
+the title sglang gives them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from specpatch.testing import scheduler_host
+
+# A child that sets a process title, then spins on the CPU or sleeps until killed.
+CHILD = """
+import sys, time, setproctitle
+setproctitle.setproctitle(sys.argv[1])
+print("ready", flush=True)
+if sys.argv[2] == "spin":
+    while True:
+        pass
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def spawn():
+    children = []
+
+    def start(title: str, mode: str) -> psutil.Process:
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, title, mode],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        children.append(child)
+        assert child.stdout.readline().strip() == "ready"
+        return psutil.Process(child.pid)
+
+    yield start
+    for child in children:
+        child.kill()
+        child.wait()
+
+
+def test_only_processes_titled_as_sglangs_schedulers_are_found(spawn):
+    scheduler = spawn("sglang::scheduler_TP0", "sleep")
+    spawn("sglang::detokenizer", "sleep")
+
+    assert [p.pid for p in scheduler_host.scheduler_processes()] == [scheduler.pid]
+
+
+def test_a_spinning_scheduler_is_busy_and_a_sleeping_one_is_not(spawn):
+    spinning = spawn("sglang::scheduler_TP0", "spin")
+    sleeping = spawn("sglang::scheduler_TP1", "sleep")
+    before = [scheduler_host.snapshot([p]) for p in (spinning, sleeping)]
+    time.sleep(0.5)
+    spun, slept = (
+        scheduler_host.snapshot([p]).since(b)
+        for p, b in zip((spinning, sleeping), before)
+    )
+
+    assert spun.wall_s == pytest.approx(0.5, abs=0.2)
+    assert spun.busy > 0.5
+    assert slept.busy < 0.2
+    assert spun.preemptions >= 0 and slept.preemptions >= 0
+
+
+def test_a_process_that_has_gone_counts_nothing(spawn):
+    gone = spawn("sglang::scheduler_TP0", "sleep")
+    gone.kill()
+    gone.wait()
+
+    usage = scheduler_host.snapshot([gone])
+
+    assert (usage.cpu_s, usage.preemptions) == (0.0, 0)
+
+
+def test_an_interval_is_the_difference_of_two_snapshots():
+    before = scheduler_host.HostUsage(cpu_s=3.0, preemptions=10, wall_s=100.0)
+    after = scheduler_host.HostUsage(cpu_s=4.5, preemptions=40, wall_s=102.0)
+
+    usage = after.since(before)
+
+    assert (usage.busy, usage.preempted_per_s) == (0.75, 15.0)
+    empty = before.since(before)
+    assert (empty.busy, empty.preempted_per_s) == (0.0, 0.0)

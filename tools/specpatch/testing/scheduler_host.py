@@ -1,0 +1,80 @@
+"""How an engine's scheduler process used its host while a benchmark row ran.
+
+At small batch a speculating engine is bound by its scheduler's Python loop, so two engines of
+one config can differ by up to 2x when one scheduler shares its core or is preempted (session
+47's profiles: every host frame twice as long in one engine as in the next). A row that records
+how busy the scheduler's process was and how often the kernel took its core away says whether
+the row measured the config or the host.
+
+    schedulers = scheduler_processes()          # once the engine is up
+    before = snapshot(schedulers)
+    ...                                         # the measured runs
+    usage = snapshot(schedulers).since(before)  # usage.busy, usage.preempted_per_s
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+
+# The title sglang's scheduler processes set (setproctitle), one per TP rank.
+SCHEDULER_TITLE = "sglang::scheduler"
+
+
+def is_scheduler(proc: psutil.Process) -> bool:
+    """Whether proc is one of sglang's scheduler processes (by its process title)."""
+    try:
+        return any(SCHEDULER_TITLE in part for part in proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def scheduler_processes(root: Optional[psutil.Process] = None) -> list[psutil.Process]:
+    """The scheduler processes among root's descendants (default: this process's)."""
+    root = root or psutil.Process()
+    return [p for p in root.children(recursive=True) if is_scheduler(p)]
+
+
+@dataclass(frozen=True)
+class HostUsage:
+    """CPU seconds (user + system, every thread), involuntary context switches (as
+    /proc/PID/status counts them) and wall seconds, summed over scheduler processes: totals
+    from snapshot(), or one interval's from since()."""
+
+    cpu_s: float
+    preemptions: int
+    wall_s: float
+
+    def since(self, before: "HostUsage") -> "HostUsage":
+        return HostUsage(
+            cpu_s=self.cpu_s - before.cpu_s,
+            preemptions=self.preemptions - before.preemptions,
+            wall_s=self.wall_s - before.wall_s,
+        )
+
+    @property
+    def busy(self) -> float:
+        """CPU seconds per wall second: about 1.0 for a loop that never waits (a host-bound
+        engine), more with busy helper threads."""
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def preempted_per_s(self) -> float:
+        return self.preemptions / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def snapshot(procs: list[psutil.Process]) -> HostUsage:
+    """The processes' totals now; a process that has gone counts nothing."""
+    cpu_s, preemptions = 0.0, 0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+            switches = proc.num_ctx_switches()
+        except psutil.NoSuchProcess:
+            continue
+        cpu_s += times.user + times.system
+        preemptions += switches.involuntary
+    return HostUsage(cpu_s=cpu_s, preemptions=preemptions, wall_s=time.monotonic())
