@@ -70,8 +70,8 @@ KERNEL_AB = {
     "exact-lens": {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "0"},
     # upstream's copies of the extend's k and v (triton_extend_rows.py reads them in place);
     "copy-kv": {"SGLANG_TRITON_EXTEND_ROWS_IN_PLACE": "0"},
-    # host lengths as bounds where a backend takes them only when asked (flashinfer:
-    # "tree-bounds@flashinfer"; on triton the same as the default).
+    # host lengths as bounds where a backend takes them only when asked (flashinfer's
+    # chains: "chain-bounds@flashinfer"; elsewhere the same as the default).
     "bounds": {"SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1"},
     # flashinfer's fixed-width graphs planned once, without split-KV (flashinfer_host_plans.py),
     # alone and with bounds ("tree-unsplit-plan@flashinfer", "tree-bounds-unsplit@flashinfer").

@@ -80,9 +80,10 @@ def test_on_unless_the_env_says_0(monkeypatch):
 @pytest.mark.parametrize(
     "overrides,why",
     [
-        ({"attention_backend": "flashinfer"}, "flashinfer"),
-        ({"decode_attention_backend": "flashinfer"}, "flashinfer"),
-        ({"speculative_draft_attention_backend": "flashinfer"}, "flashinfer"),
+        ({"attention_backend": "torch_native"}, "torch_native"),
+        ({"decode_attention_backend": "torch_native"}, "torch_native"),
+        ({"speculative_draft_attention_backend": "torch_native"}, "torch_native"),
+        ({"attention_backend": "flashinfer", "speculative_eagle_topk": 1}, "chains"),
         ({"disable_cuda_graph": True}, "no CUDA graphs"),
         ({"disable_cuda_graph_padding": True}, "padding"),
         ({"page_size": 16}, "page size 16"),
@@ -99,37 +100,42 @@ def test_servers_that_read_exact_host_lengths_keep_them(overrides, why):
     assert why in bhl.server_refusal(server(**overrides))
 
 
-def test_fa3_takes_bounds_by_default_and_flashinfer_only_when_asked(monkeypatch):
-    """FlashInfer is opt-in (bounded_host_lens.BOUNDS_BACKENDS_ON_REQUEST says why): it takes
-    bounds only with the switch set to 1. FA3, sglang's default for EAGLE chains on Hopper,
-    takes them as triton does unless the switch says 0."""
+def test_fa3_and_flashinfer_trees_take_bounds_by_default_flashinfer_chains_when_asked(
+    monkeypatch,
+):
+    """FA3, sglang's default for EAGLE chains on Hopper, takes bounds as triton does unless the
+    switch says 0; FlashInfer takes them for trees by default and for chains only with the
+    switch set to 1 (bounded_host_lens.TREES_ONLY_BACKENDS says why)."""
     monkeypatch.delenv(bhl.ENV, raising=False)
-    why = bhl.server_refusal(server(attention_backend="flashinfer"))
-    assert why and f"{bhl.ENV}=1" in why and "flashinfer" in why
-    why = bhl.server_refusal(
-        server(
-            attention_backend="fa3", speculative_draft_attention_backend="flashinfer"
-        )
-    )
-    assert why and f"{bhl.ENV}=1" in why and "flashinfer" in why
     assert bhl.server_refusal(server(attention_backend="fa3")) is None
     assert bhl.server_refusal(server(decode_attention_backend="fa3")) is None
-    monkeypatch.setenv(bhl.ENV, "1")
-    assert bhl.server_refusal(server(attention_backend="flashinfer")) is None
+    tree, chain = {"speculative_eagle_topk": 16}, {"speculative_eagle_topk": 1}
+    assert bhl.server_refusal(server(attention_backend="flashinfer", **tree)) is None
     assert (
         bhl.server_refusal(
             server(
-                attention_backend="flashinfer",
-                speculative_draft_attention_backend="triton",
+                attention_backend="fa3",
+                speculative_draft_attention_backend="flashinfer",
+                **tree,
             )
         )
         is None
     )
+    for args in (
+        {"attention_backend": "flashinfer", **chain},
+        {"attention_backend": "flashinfer"},  # no topk given: a chain
+        {"attention_backend": "fa3", "decode_attention_backend": "flashinfer", **chain},
+    ):
+        why = bhl.server_refusal(server(**args))
+        assert why and f"{bhl.ENV}=1" in why and "flashinfer" in why, args
+    assert bhl.server_refusal(server(attention_backend="fa3", **chain)) is None
+    monkeypatch.setenv(bhl.ENV, "1")
+    assert bhl.server_refusal(server(attention_backend="flashinfer", **chain)) is None
     assert "torch_native" in bhl.server_refusal(
-        server(attention_backend="torch_native")
+        server(attention_backend="torch_native", **tree)
     )
     assert "page size 16" in bhl.server_refusal(
-        server(attention_backend="flashinfer", page_size=16)
+        server(attention_backend="flashinfer", page_size=16, **tree)
     )
 
 
@@ -290,14 +296,14 @@ CHAIN_AND_WIDE_TREE = pytest.mark.parametrize(
 )
 
 
-def ask_for_bounds(monkeypatch, backend: str) -> None:
-    """The switch as a user of `backend` gets bounds: unset (the default) on triton, 1 on the
-    backends that take them only on request (the engine's processes read it at start-up).
+def ask_for_bounds(monkeypatch, backend: str, topk: int) -> None:
+    """The switch as a user of `backend` gets bounds: unset (the default), or 1 for a chain on
+    a backend that takes bounds for trees only (the engine's processes read it at start-up).
     """
-    if backend in bhl.BOUNDS_BACKENDS:
-        monkeypatch.delenv(bhl.ENV, raising=False)
-    else:
+    if backend in bhl.TREES_ONLY_BACKENDS and topk <= 1:
         monkeypatch.setenv(bhl.ENV, "1")
+    else:
+        monkeypatch.delenv(bhl.ENV, raising=False)
 
 
 @pytest.mark.gpu
@@ -310,7 +316,7 @@ def test_servers_with_bounded_host_lengths_stay_token_identical(
     finish: identical to the table. Triton reads the bounds as sizes, FlashInfer plans from
     them with the kernels' lengths rewritten on the device (docs/flashinfer-overlap.md), FA3
     copies page-table rows as wide as them."""
-    ask_for_bounds(monkeypatch, backend)
+    ask_for_bounds(monkeypatch, backend, spec.topk)
     target, draft = small_pair
     accept = eng.spec_v2_identical_by_batch_size(
         target,
@@ -358,7 +364,7 @@ def test_spec_v2_runs_to_the_context_length(
     if lengths == "exact":
         monkeypatch.setenv(bhl.ENV, "0")
     else:
-        ask_for_bounds(monkeypatch, backend)
+        ask_for_bounds(monkeypatch, backend, spec.topk)
     target, draft = small_pair
     vocab = synth.load_meta(target)["spec"]["vocab"]
     prompts = eng.random_prompts(
@@ -403,7 +409,7 @@ def test_bounded_host_lengths_under_retraction_keep_identity_and_leak_nothing(
 ):
     """256 concurrent requests on a KV pool that holds a fraction of them: retraction,
     filter and merge all run on batches whose host lengths are bounds."""
-    ask_for_bounds(monkeypatch, backend)
+    ask_for_bounds(monkeypatch, backend, topk=4)
     target, draft = toy_pair
     eng.retraction_stress(
         target,

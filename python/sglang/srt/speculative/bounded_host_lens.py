@@ -16,10 +16,10 @@ lengths stay exact; only the wait goes, replaced by a stream-side wait that keep
 schedule stream's later reads of them ordered after the verify.
 
 On by default (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=0 turns it off), and only where nothing reads
-the host lengths as exact: triton attention (target and draft; FlashInfer and FA3 too where
-SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1 asks for it) with CUDA graphs at page size 1,
-no two-batch overlap, DP attention or pipeline stages; and per step, a batch the graphs cover,
-with no logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never
+the host lengths as exact: triton, FA3 or FlashInfer attention (target and draft; FlashInfer
+chains only where SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1 asks for it) with CUDA graphs at page
+size 1, no two-batch overlap, DP attention or pipeline stages; and per step, a batch the graphs
+cover, with no logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never
 takes an eager path that builds per-request host lists from the lengths; the eager draft extend,
 which does, reads them from the device once bounds have been issued (exact_prefix_lens).
 """
@@ -64,15 +64,18 @@ _ENABLED = enabled_by_env()
 # host lengths only as sizes. FA3's graph replay reads them as the width of the page-table rows
 # it copies (max_seq_len_k), its kernels reading the device lengths; its tables are as wide as
 # req_to_token's rows and the copies stop at that width (fa3_tree_metadata.page_table_columns),
-# so a bound past a real length copies columns no kernel reads. FlashInfer takes bounds only
-# when the user asks (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1): it plans from them, sizing the work
-# from the bounds while the lengths its kernels read are rewritten on the device
-# (docs/flashinfer-overlap.md), and its draft decode moves to the tensor-core kernel, measured
-# on Hopper only. (Its tree 16,3,32 once failed test_spec_v2_runs_to_the_context_length with
-# bounds: the draft decode wrote past a slot buffer sized per request, not per draft branch;
-# flashinfer_host_plans.draft_decode_kv_slots sizes it now, and the test passes.)
-BOUNDS_BACKENDS = frozenset({"triton", "fa3"})
-BOUNDS_BACKENDS_ON_REQUEST = frozenset({"flashinfer"})
+# so a bound past a real length copies columns no kernel reads. FlashInfer plans from them,
+# sizing the work from the bounds while the lengths its kernels read are rewritten on the
+# device (docs/flashinfer-overlap.md), and its draft decode moves to the tensor-core kernel,
+# which clamps each KV chunk to the real length.
+BOUNDS_BACKENDS = frozenset({"triton", "fa3", "flashinfer"})
+# Backends that take bounds for trees (topk > 1) by default and for chains only when the user
+# asks (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1). FlashInfer's trees gain from bounds where the
+# host's wait for the verify shows (small batch) and keep their speed where it does not
+# (docs/benchmarks.md, "Spec v2 trees on FlashInfer"); its chains with bounds are
+# token-identical but their speed unmeasured, and flashinfer is sglang's default backend for
+# chains off Hopper, so they keep upstream's exact lengths unless asked.
+TREES_ONLY_BACKENDS = frozenset({"flashinfer"})
 # Set once this process has issued bounds: only then may an eager draft extend see them.
 _bounds_issued = False
 
@@ -84,20 +87,18 @@ def server_refusal(server_args) -> Optional[str]:
         getattr(server_args, "decode_attention_backend", None),
         getattr(server_args, "speculative_draft_attention_backend", None),
     } - {None}
-    allowed = BOUNDS_BACKENDS | (
-        BOUNDS_BACKENDS_ON_REQUEST if requested_by_env() else frozenset()
-    )
-    if not backends <= allowed:
-        if backends <= BOUNDS_BACKENDS | BOUNDS_BACKENDS_ON_REQUEST:
-            return (
-                f"attention backends {sorted(backends)}: "
-                f"{', '.join(sorted(backends - BOUNDS_BACKENDS))} take bounds only with "
-                f"{ENV}=1 (opt-in)"
-            )
+    if not backends <= BOUNDS_BACKENDS:
         return (
-            f"attention backends {sorted(backends)}: only triton and fa3 (and "
-            f"flashinfer with {ENV}=1) take bounds"
+            f"attention backends {sorted(backends)}: only "
+            f"{', '.join(sorted(BOUNDS_BACKENDS))} take bounds"
         )
+    trees_only = backends & TREES_ONLY_BACKENDS
+    if trees_only and (getattr(server_args, "speculative_eagle_topk", None) or 1) <= 1:
+        if not requested_by_env():
+            return (
+                f"attention backends {sorted(backends)}: {', '.join(sorted(trees_only))} "
+                f"take bounds for chains only with {ENV}=1 (opt-in)"
+            )
     if server_args.disable_cuda_graph:
         return "no CUDA graphs: eager metadata reads the host lengths"
     if getattr(server_args, "disable_cuda_graph_padding", False):

@@ -20,10 +20,11 @@ The multi-step draft decode (draft_decode_indptrs, at the end) is planned from t
 lengths: each of a request's topk branches reads the request's prefix plus its own draft
 tokens so far, so its index pointers follow from seq_lens_cpu and the step alone.
 
-Where spec v2 may hand bounds as host lengths (speculative/bounded_host_lens.py, FlashInfer only
-on request), the plan sizes its work from the bounds and the lengths FlashInfer's fa2 kernels
-read (the KV and mask index pointers in device buffers) are the device's exact ones, written
-after the plan's copies: plan_fixed_width(host_lens_are_bounds=True), docs/flashinfer-overlap.md.
+Where spec v2 may hand bounds as host lengths (speculative/bounded_host_lens.py: FlashInfer's
+trees, and its chains on request), the plan sizes its work from the bounds and the lengths
+FlashInfer's fa2 kernels read (the KV and mask index pointers in device buffers) are the
+device's exact ones, written after the plan's copies: plan_fixed_width(host_lens_are_bounds=True),
+docs/flashinfer-overlap.md.
 """
 
 from __future__ import annotations
