@@ -88,6 +88,14 @@ for _suffix, _env in KERNEL_AB.items():
     )
     CONFIGS[f"tree-{_suffix}"] = (eng.SpecConfig(16, 3, 32), dict(_env))
     CONFIGS[f"narrow-{_suffix}"] = (eng.SpecConfig(4, 3, 8), dict(_env))
+# Spec v2 trees whose target verify and draft extend run on another attention backend than
+# their decode steps: sglang's hybrid backend (--prefill-attention-backend; its default
+# --speculative-attention-mode "prefill" puts verify and draft extend there). Issue #21 asks
+# whether FA3's trees gain from triton's tree verify ("tree-triton-verify@fa3"): FA3 verifies
+# a tree as two paged passes and a merge per layer.
+VERIFY_BACKENDS = {"tree-triton-verify": "triton"}
+for _name in VERIFY_BACKENDS:
+    CONFIGS[_name] = (eng.SpecConfig(4, 3, 8), {})
 # Env switches of the A/B configs above: not shapes, so never the policy's "best fixed".
 KERNEL_SWITCHES = {key for env in KERNEL_AB.values() for key in env}
 POLICY_SHAPES = ["16,3,32", "4,3,8", "1,3,4", "1,1,2"]
@@ -116,7 +124,7 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
         eng.SpecConfig(topk, num_steps, num_draft_tokens, overlap=False),
         {},
     )
-    for name in (f"tree-{suffix}" for suffix in KERNEL_AB):
+    for name in [*(f"tree-{suffix}" for suffix in KERNEL_AB), *VERIFY_BACKENDS]:
         CONFIGS[name] = (
             eng.SpecConfig(topk, num_steps, num_draft_tokens),
             CONFIGS[name][1],
@@ -268,6 +276,8 @@ def engine_settings(
                 force_switch_every, POLICY_STEP_TIME[config]
             ),
         )
+    if config in VERIFY_BACKENDS:
+        extra["prefill_attention_backend"] = VERIFY_BACKENDS[config]
     if mixed is None:
         extra["cuda_graph_bs"] = sorted(set(batch_sizes))
     return eng.engine_kwargs(
@@ -719,6 +729,7 @@ def fixed_shape_rows(rows: list[dict], backend: str) -> Iterator[tuple[str, dict
         spec, _ = CONFIGS[config]
         if (
             config in POLICY_STEP_TIME
+            or config in VERIFY_BACKENDS
             or spec is None
             or not spec.overlap
             or (row_backend, page) != (backend, 1)
@@ -781,6 +792,7 @@ def is_fixed_shape_like(name: str, policy: str) -> bool:
     spec, env = CONFIGS[config]
     return (
         config not in POLICY_STEP_TIME
+        and config not in VERIFY_BACKENDS  # another backend's verify, not a shape
         and not KERNEL_SWITCHES & env.keys()  # an A/B of a switch, not a shape
         and spec is not None
         and spec.overlap

@@ -487,3 +487,28 @@ def test_each_row_records_its_schedulers_cpu_use_over_its_timed_runs(
         "  chain bs 1: 0.95 / 10.0\n"
         "  chain bs 4: 0.50 / 0.0\n"
     )
+
+
+def test_a_tree_with_another_backends_verify_runs_sglangs_hybrid_backend(monkeypatch):
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    monkeypatch.setattr(bench_e2e, "CONFIGS", dict(bench_e2e.CONFIGS))
+    bench_e2e.set_tree_shape(16, 3, 32)
+
+    kwargs = bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "tree-triton-verify@fa3", [1, 4], "triton"
+    )
+
+    # decode steps (the draft's) on FA3; target verify and draft extend on triton
+    assert (kwargs["attention_backend"], kwargs["prefill_attention_backend"]) == (
+        "fa3",
+        "triton",
+    )
+    assert kwargs["speculative_eagle_topk"] == 16
+    assert kwargs["speculative_num_draft_tokens"] == 32
+    assert "prefill_attention_backend" not in bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "tree@fa3", [1, 4], "triton"
+    )
+    # not a shape the policy chooses among, nor a row that prices one
+    assert not bench_e2e.is_fixed_shape_like("tree-triton-verify@fa3", "policy@fa3")
+    row = {"config": "tree-triton-verify", "bs": 1, "tok_per_s": 1.0}
+    assert list(bench_e2e.fixed_shape_rows([row], "triton")) == []
