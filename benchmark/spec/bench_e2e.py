@@ -482,8 +482,9 @@ def print_spec_efficiency(rows: list[dict]) -> None:
 
 
 def print_scheduler_use(rows: list[dict]) -> None:
-    """Each row's scheduler CPU use: two engines of one config whose host loops ran at
-    different speeds show it here, not in their configs."""
+    """Each row's scheduler CPU use: a host-bound engine whose scheduler lost its core to
+    other work (preemptions, CPU seconds per second under 1) measured its host, not only its
+    config. A slower core at full use does not show here."""
     used = [r for r in rows if "scheduler_busy" in r]
     if used:
         print("scheduler CPU seconds per second / involuntary switches per second:")
