@@ -18,6 +18,7 @@ from specpatch.testing.marks import FA3_SKIP, FLASHINFER_SKIP
 def server(**overrides):
     args = dict(
         attention_backend="triton",
+        prefill_attention_backend=None,
         decode_attention_backend=None,
         speculative_draft_attention_backend=None,
         disable_cuda_graph=False,
@@ -81,6 +82,7 @@ def test_on_unless_the_env_says_0(monkeypatch):
     "overrides,why",
     [
         ({"attention_backend": "torch_native"}, "torch_native"),
+        ({"prefill_attention_backend": "torch_native"}, "torch_native"),
         ({"decode_attention_backend": "torch_native"}, "torch_native"),
         ({"speculative_draft_attention_backend": "torch_native"}, "torch_native"),
         ({"attention_backend": "flashinfer", "speculative_eagle_topk": 1}, "chains"),

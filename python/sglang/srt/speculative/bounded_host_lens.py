@@ -82,8 +82,11 @@ _bounds_issued = False
 
 def server_refusal(server_args) -> Optional[str]:
     """Why this server's spec v2 decode must keep upstream's exact host lengths, or None."""
+    # The prefill backend runs the target verify and the draft extend under sglang's hybrid
+    # backend (--speculative-attention-mode prefill, its default): it reads them too.
     backends = {
         server_args.attention_backend,
+        getattr(server_args, "prefill_attention_backend", None),
         getattr(server_args, "decode_attention_backend", None),
         getattr(server_args, "speculative_draft_attention_backend", None),
     } - {None}
