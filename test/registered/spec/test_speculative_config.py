@@ -170,8 +170,16 @@ def test_inconsistent_tree_shapes_are_config_errors(pair, topk, steps, tokens, m
         {"attention_backend": "flashinfer"},
         {"attention_backend": "fa3"},
         {"attention_backend": "fa3", "speculative_draft_attention_backend": "triton"},
+        # sglang's hybrid backend: FA3 decode, triton verify and draft extend
+        {"attention_backend": "fa3", "prefill_attention_backend": "triton"},
     ],
-    ids=["triton", "flashinfer", "fa3", "fa3-target-triton-draft"],
+    ids=[
+        "triton",
+        "flashinfer",
+        "fa3",
+        "fa3-target-triton-draft",
+        "fa3-decode-triton-verify",
+    ],
 )
 def test_tree_with_pages_runs_spec_v2_on_every_tree_backend(pair, caplog, backends):
     with caplog.at_level(logging.WARNING):
