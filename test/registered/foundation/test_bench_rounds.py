@@ -409,17 +409,17 @@ def test_spec_efficiency_against_no_speculation_at_each_batch_size():
     }
 
 
-def test_each_row_records_its_engines_start_up_time(monkeypatch, capsys):
+@pytest.fixture
+def engine_without_a_gpu(monkeypatch):
+    """measure()'s engine and runs faked: an engine that starts at once and runs each batch
+    in one second."""
     import contextlib
-
-    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
-    clock = iter([100.0, 187.25])  # before the engine starts, once it is up
 
     @contextlib.contextmanager
     def fake_engine(**kwargs):
         yield object()
 
-    monkeypatch.setattr(bench_e2e.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
     monkeypatch.setattr(bench_e2e.eng, "engine", fake_engine)
     monkeypatch.setattr(
         bench_e2e.eng,
@@ -429,6 +429,13 @@ def test_each_row_records_its_engines_start_up_time(monkeypatch, capsys):
         ),
     )
 
+
+def test_each_row_records_its_engines_start_up_time(
+    engine_without_a_gpu, monkeypatch, capsys
+):
+    clock = iter([100.0, 187.25])  # before the engine starts, once it is up
+    monkeypatch.setattr(bench_e2e.time, "perf_counter", lambda: next(clock))
+
     rows = bench_e2e.measure(Path("/t"), Path("/d"), "none", [1, 4], 8, 100)
 
     assert [r["engine_start_s"] for r in rows] == [87.2, 87.2]
@@ -436,13 +443,10 @@ def test_each_row_records_its_engines_start_up_time(monkeypatch, capsys):
 
 
 def test_each_row_records_its_schedulers_cpu_use_over_its_timed_runs(
-    monkeypatch, capsys
+    engine_without_a_gpu, monkeypatch, capsys
 ):
-    import contextlib
-
     from specpatch.testing import scheduler_host
 
-    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
     schedulers = ["the engine's scheduler"]
     monkeypatch.setattr(scheduler_host, "scheduler_processes", lambda: schedulers)
     # Totals read before and after each row's timed runs (not its first-token runs).
@@ -460,19 +464,6 @@ def test_each_row_records_its_schedulers_cpu_use_over_its_timed_runs(
         return next(totals)
 
     monkeypatch.setattr(scheduler_host, "snapshot", snapshot)
-
-    @contextlib.contextmanager
-    def fake_engine(**kwargs):
-        yield object()
-
-    monkeypatch.setattr(bench_e2e.eng, "engine", fake_engine)
-    monkeypatch.setattr(
-        bench_e2e.eng,
-        "best_of",
-        lambda e, batch, n, repeats: eng.GreedyRun(
-            output_ids=[[0] * n] * len(batch), seconds=1.0, completion_tokens=n
-        ),
-    )
 
     rows = bench_e2e.measure(Path("/t"), Path("/d"), "chain", [1, 4], 8, 100)
     capsys.readouterr()
