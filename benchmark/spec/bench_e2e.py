@@ -292,6 +292,13 @@ def engine_settings(
     )
 
 
+def policy_configs(names: list[str], attention_backend: str) -> list[str]:
+    """The names among a run's configs that run the shape policy."""
+    return [
+        n for n in names if split_config(n, attention_backend)[0] in POLICY_STEP_TIME
+    ]
+
+
 def warm_jit_caches(
     target,
     draft,
@@ -312,9 +319,7 @@ def warm_jit_caches(
     config in the run, the warm-up engine is the policy cycling through its shapes every step
     at each power of two and each captured size up to the largest batch; otherwise the first
     config at bs 1 (the first engine's one-time costs)."""
-    if not any(
-        split_config(n, attention_backend)[0] in POLICY_STEP_TIME for n in names
-    ):
+    if not policy_configs(names, attention_backend):
         measure(target, draft, names[0], [1], 16, vocab, 1, attention_backend)
         return
     largest = max([*batch_sizes, mixed.total_requests if mixed else 0])
@@ -546,6 +551,14 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--no-warm-up-engine",
+        action="store_true",
+        help="do not start the discarded first engine (fixed configs only; a policy config "
+        "needs its warm-up cycling): each cell is already the best of --repeats runs, so the "
+        "first engine's compiles cost it a run, not its result; for device calls one more "
+        "engine start does not fit",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -588,6 +601,11 @@ def main() -> None:
         parser.error(
             f"--prompt-len {args.prompt_len}: want MIN,MAX with 1 <= MIN <= MAX"
         )
+    policies = policy_configs(args.configs.split(","), args.attention_backend)
+    if args.no_warm_up_engine and policies:
+        parser.error(
+            f"--no-warm-up-engine: {policies} need the warm-up engine's cycling"
+        )
 
     target, draft = ensure_pair(args.models, args.preset, args.agreement)
     vocab = synth.load_meta(target)["spec"]["vocab"]
@@ -599,9 +617,10 @@ def main() -> None:
     # otherwise favour whichever config is measured later: start and discard one first.
     backend = {"attention_backend": args.attention_backend}
     mixed = MixedLoad.parse(args.mixed_load) if args.mixed_load else None
-    warm_jit_caches(
-        target, draft, names, batch_sizes, vocab, args.attention_backend, mixed
-    )
+    if not args.no_warm_up_engine:
+        warm_jit_caches(
+            target, draft, names, batch_sizes, vocab, args.attention_backend, mixed
+        )
     best: dict[tuple, dict] = {}  # (config, bs) -> the fastest row of its engines
     per_round: dict[tuple, list] = {}  # (config, bs) -> tok/s of each round's engine
     for _ in range(args.rounds):

@@ -503,3 +503,49 @@ def test_a_tree_with_another_backends_verify_runs_sglangs_hybrid_backend(monkeyp
     assert not bench_e2e.is_fixed_shape_like("tree-triton-verify@fa3", "policy@fa3")
     row = {"config": "tree-triton-verify", "bs": 1, "tok_per_s": 1.0}
     assert list(bench_e2e.fixed_shape_rows([row], "triton")) == []
+
+
+def test_policy_configs_are_found_by_name_and_backend():
+    names = ["none", "policy@fa3", "chain", "policy-period"]
+    assert bench_e2e.policy_configs(names, "triton") == ["policy@fa3", "policy-period"]
+    assert bench_e2e.policy_configs(["tree", "tree-v1@fa3"], "triton") == []
+
+
+def test_skipping_the_warm_up_engine_is_refused_with_a_policy_config(monkeypatch):
+    def no_models(*args):
+        raise AssertionError("refused before the models are made")
+
+    monkeypatch.setattr(bench_e2e, "ensure_pair", no_models)
+    argv = ["bench_e2e.py", "--no-warm-up-engine", "--configs", "chain,policy"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_e2e.main()
+    assert exit_info.value.code == 2  # argparse's usage error
+
+
+def test_skipping_the_warm_up_engine_starts_only_the_measured_ones(monkeypatch):
+    started = []
+    monkeypatch.setattr(bench_e2e, "ensure_pair", lambda *a: (Path("/t"), Path("/d")))
+    monkeypatch.setattr(
+        bench_e2e.synth,
+        "load_meta",
+        lambda p: {"spec": {"vocab": 100}, "num_params": 1e9, "agreement": 0.7},
+    )
+    monkeypatch.setattr(bench_e2e, "greedy_table", lambda target: None)
+    monkeypatch.setattr(
+        bench_e2e, "warm_jit_caches", lambda *a: started.append("warm-up")
+    )
+
+    def measure(target, draft, name, batch_sizes, *args, **kwargs):
+        started.append(name)
+        return [{"config": name, "bs": 1, "tok_per_s": 100.0, "accept_length": 1.0}]
+
+    monkeypatch.setattr(bench_e2e, "measure", measure)
+    argv = ["bench_e2e.py", "--configs", "none,chain", "--batch-sizes", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--no-warm-up-engine"])
+    bench_e2e.main()
+    assert started == ["none", "chain"]
+    started.clear()
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_e2e.main()
+    assert started == ["warm-up", "none", "chain"]
