@@ -3,7 +3,8 @@
 # The bundle travels as .gpu-bundle/ or, repacked smaller, as .gpu-bundle-xz/
 # (tools/pack-gpu-bundle.sh); .whl/ holds wheels the bundle lacks (tools/stage-extra-wheels.sh),
 # .flashinfer/ FlashInfer's JIT headers and compiled modules (specpatch.gpu_host.flashinfer_stage),
-# .fa3/ or /tmp/fa3 FA3's library in parts (specpatch.gpu_host.fa3_stage).
+# .fa3/ or /tmp/fa3 FA3's library in parts (specpatch.gpu_host.fa3_stage), .triton-cache/
+# Triton's kernels compiled by an earlier call (specpatch.gpu_host.triton_cache).
 if [ ! -f .gpu-bundle/env.sh ] && [ -f .gpu-bundle-xz/deps.tar.xz ]; then
   mkdir -p .gpu-bundle && for a in .gpu-bundle-xz/*.tar.xz; do tar -xJf "$a" -C .gpu-bundle; done
 fi
@@ -26,5 +27,11 @@ if [ -f .fa3/manifest.json ]; then
 fi
 if [ -f /tmp/fa3/manifest.json ]; then
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.fa3_stage install /tmp/fa3 || return 1
+fi
+# One Triton cache path on every host, so that what a call collects and the next one installs
+# is the same cache (a call's first engine otherwise compiles every kernel before it starts).
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+if [ -f .triton-cache/triton-cache.tar.xz ]; then
+  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.triton_cache install .triton-cache
 fi
 export SPECPATCH_MODEL_CACHE=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}

@@ -47,6 +47,7 @@ done
 if [ -f .flashinfer/manifest.json ]; then
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage collect "$out"
 fi
+PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.triton_cache collect "$out"
 for dir in "$out"/lane*; do
   echo "== $(cat "$dir/selection"): $(tail -n 1 "$dir/gpu-tests.log")"
   grep -E "^(FAILED|ERROR) " "$dir/gpu-tests.log" | head -n 20

@@ -59,6 +59,9 @@ def test_the_scripts_run_the_staging_modules():
         ("tools/gpu-env.sh", "specpatch.gpu_host.flashinfer_stage"),
         ("tools/gpu-env.sh", "specpatch.gpu_host.fa3_stage"),
         ("tools/gpu-tests.sh", "specpatch.gpu_host.flashinfer_stage"),
+        ("tools/gpu-env.sh", "specpatch.gpu_host.triton_cache"),
+        ("tools/gpu-tests.sh", "specpatch.gpu_host.triton_cache"),
+        ("tools/gpu-lanes.sh", "specpatch.gpu_host.triton_cache"),
         ("tools/setup.sh", "specpatch.testing.cudastub"),
     ]:
         assert (script, module) in runs, (script, module, sorted(runs))

@@ -1,0 +1,165 @@
+"""Carry Triton's compiled kernels from one device call to the next.
+
+Every device call starts on a bare host, so the first sglang engine of a call compiles each
+Triton kernel it launches (sglang's attention kernels, ours, the eager index kernels) before
+its CUDA graphs are captured; later engines of the same call find them in Triton's cache and
+start one to two minutes sooner (docs/benchmarks.md, build 8b3e7728: 98-157 s against 46-67 s).
+Triton keeps one folder per kernel key in TRITON_CACHE_DIR: the binary, its metadata, the IR
+of each stage, and a group file (`__grp__<name>.json`) naming them. `collect` packs the
+binaries, metadata and group files (the IR is only read for debugging) into one archive under
+$OUT; `install` unpacks a carried archive into the host's cache before any engine starts, so
+a kernel an earlier call compiled is a cache hit:
+
+    # on the GPU host: tools/gpu-env.sh sets TRITON_CACHE_DIR and installs .triton-cache/ if
+    # carried; tools/gpu-tests.sh and tools/gpu-lanes.sh collect into their output folder
+    PYTHONPATH=tools python3 -m specpatch.gpu_host.triton_cache collect "$OUT"
+    # here: copy triton-cache.tar.xz into .triton-cache/ and carry ".triton-cache"
+
+The key covers the kernel's source, its options, the GPU architecture and the compiler's
+versions, so an H100's entries serve an H200 (both sm_90) and a host with another toolkit
+only misses. Group files name their members by absolute path; `install` rewrites them to
+where the members are now, so the archive does not depend on where either cache lived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHIVE = "triton-cache.tar.xz"
+GROUP_PREFIX = "__grp__"
+# What a cache hit reads: the metadata (.json, group files included) and the binary (.cubin).
+KEPT_SUFFIXES = (".json", ".cubin")
+# One file that comes back from a device call is at most 16 MiB.
+MAX_RETURNED_BYTES = 16 << 20
+
+
+def cache_dir(environ=os.environ) -> Path:
+    """Where Triton keeps compiled kernels (its own default when TRITON_CACHE_DIR is unset)."""
+    if environ.get("TRITON_CACHE_DIR"):
+        return Path(environ["TRITON_CACHE_DIR"])
+    return Path(environ.get("HOME", "~")).expanduser() / ".triton" / "cache"
+
+
+@dataclass(frozen=True)
+class Packed:
+    kernels: (
+        int  # cache folders with a group file: kernels a later call will not compile
+    )
+    files: int
+    archive_bytes: int
+
+
+def _complete_entries(cache: Path) -> list[tuple[Path, list[Path]]]:
+    """Each cache folder that has a group file, with the files worth carrying. A folder
+    without one is a compile still in progress (or an autotuner's record) and is skipped, as
+    are Triton's temporary files."""
+    entries = []
+    for folder in sorted(p for p in cache.iterdir() if p.is_dir()):
+        files = sorted(
+            f
+            for f in folder.iterdir()
+            if f.is_file() and f.suffix in KEPT_SUFFIXES and ".tmp." not in f.name
+        )
+        if any(f.name.startswith(GROUP_PREFIX) for f in files):
+            entries.append((folder, files))
+    return entries
+
+
+def pack(cache: Path, archive: Path, max_bytes: int = MAX_RETURNED_BYTES) -> Packed:
+    """Write the cache's complete entries, without their IR, to `archive` (tar.xz). Raises
+    ValueError, writing nothing, when the archive would exceed max_bytes."""
+    entries = _complete_entries(cache) if cache.is_dir() else []
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:xz") as tar:
+        for folder, files in entries:
+            for f in files:
+                tar.add(f, arcname=f"{folder.name}/{f.name}", recursive=False)
+    size = buffer.tell()
+    if size > max_bytes:
+        raise ValueError(
+            f"{len(entries)} Triton kernels pack to {size / 2**20:.1f} MiB, over the "
+            f"{max_bytes / 2**20:.1f} MiB limit: not written"
+        )
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    archive.write_bytes(buffer.getvalue())
+    return Packed(sum(1 for _ in entries), sum(len(f) for _, f in entries), size)
+
+
+def _relink_group(group: Path) -> None:
+    """Point a group file's members at this folder, dropping members not here (the IR that
+    was not carried): Triton reads a hit from exactly the members the group names."""
+    data = json.loads(group.read_text())
+    members = {
+        name: str(group.parent / name)
+        for name in data.get("child_paths", {})
+        if (group.parent / name).is_file()
+    }
+    data["child_paths"] = members
+    staged = group.with_name(group.name + ".relink")
+    staged.write_text(json.dumps(data))
+    staged.replace(group)
+
+
+def install(archive: Path, cache: Path) -> int:
+    """Unpack a collected archive into `cache`; returns the number of kernels it holds."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, mode="r:xz") as tar:
+        # "data": no member may leave `cache` or be a link, device or set-uid file.
+        tar.extractall(cache, filter="data")
+        groups = [
+            m.name
+            for m in tar.getmembers()
+            if Path(m.name).name.startswith(GROUP_PREFIX)
+        ]
+    for name in groups:
+        _relink_group(cache / name)
+    return len(groups)
+
+
+def _archive_in(path: Path) -> Path:
+    return path / ARCHIVE if path.is_dir() else path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m specpatch.gpu_host.triton_cache",
+        description=__doc__.split("\n")[0],
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("collect", help=f"pack TRITON_CACHE_DIR into OUT_DIR/{ARCHIVE}")
+    c.add_argument("out_dir", type=Path)
+    c.add_argument("--max-mib", type=float, default=MAX_RETURNED_BYTES / 2**20)
+    i = sub.add_parser(
+        "install", help="unpack a collected archive into TRITON_CACHE_DIR"
+    )
+    i.add_argument(
+        "archive", type=Path, help=f"the archive, or a folder holding {ARCHIVE}"
+    )
+    args = parser.parse_args(argv)
+
+    cache = cache_dir()
+    if args.command == "collect":
+        try:
+            packed = pack(cache, args.out_dir / ARCHIVE, int(args.max_mib * 2**20))
+        except ValueError as e:
+            print(f"triton_cache: {e}", file=sys.stderr)
+            return 1
+        print(
+            f"triton_cache: {packed.kernels} kernels from {cache}, "
+            f"{packed.archive_bytes / 2**20:.1f} MiB in {args.out_dir / ARCHIVE}"
+        )
+        return 0
+    kernels = install(_archive_in(args.archive), cache)
+    print(f"triton_cache: {kernels} kernels installed into {cache}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
