@@ -44,12 +44,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from specpatch.gpu_host import MAX_RETURNED_BYTES
+
 HEADER_DIRS = ("cccl", "cutlass", "spdlog")
 HEADERS = "jit-headers.tar.xz"
 MODULES = "flashinfer-aot.tar.gz"
 MANIFEST = "manifest.json"
-# One file that comes back from a device call is at most 16 MiB.
-MAX_RETURNED_BYTES = 16 << 20
 
 
 def _sha256(path: Path) -> str:

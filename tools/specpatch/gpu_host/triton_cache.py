@@ -32,12 +32,12 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specpatch.gpu_host import MAX_RETURNED_BYTES
+
 ARCHIVE = "triton-cache.tar.xz"
 GROUP_PREFIX = "__grp__"
 # What a cache hit reads: the metadata (.json, group files included) and the binary (.cubin).
 KEPT_SUFFIXES = (".json", ".cubin")
-# One file that comes back from a device call is at most 16 MiB.
-MAX_RETURNED_BYTES = 16 << 20
 
 
 def cache_dir(environ=os.environ) -> Path:
