@@ -2,8 +2,8 @@
 
 Every device call starts on a bare host, so the first sglang engine of a call compiles each
 Triton kernel it launches (sglang's attention kernels, ours, the eager index kernels) before
-its CUDA graphs are captured; later engines of the same call find them in Triton's cache and
-start one to two minutes sooner (docs/benchmarks.md, build 8b3e7728: 98-157 s against 46-67 s).
+its CUDA graphs are captured, and later engines of the same call, which find them in
+Triton's cache, start far sooner (README, "GPU tier").
 Triton keeps one folder per kernel key in TRITON_CACHE_DIR: the binary, its metadata, the IR
 of each stage, and a group file (`__grp__<name>.json`) naming them. `collect` packs the
 binaries, metadata and group files (the IR is only read for debugging) into one archive under
