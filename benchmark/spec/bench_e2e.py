@@ -601,7 +601,8 @@ def main() -> None:
         parser.error(
             f"--prompt-len {args.prompt_len}: want MIN,MAX with 1 <= MIN <= MAX"
         )
-    policies = policy_configs(args.configs.split(","), args.attention_backend)
+    names = args.configs.split(",")
+    policies = policy_configs(names, args.attention_backend)
     if args.no_warm_up_engine and policies:
         parser.error(
             f"--no-warm-up-engine: {policies} need the warm-up engine's cycling"
@@ -612,7 +613,6 @@ def main() -> None:
     # Every greedy output is checked against the target's table: an A/B is an identity run.
     successor = greedy_table(target)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]  # "": mixed only
-    names = args.configs.split(",")
     # The first engine in a process pays one-time costs (kernel JIT and autotune caches) that
     # otherwise favour whichever config is measured later: start and discard one first.
     backend = {"attention_backend": args.attention_backend}
