@@ -107,6 +107,9 @@ POLICY_TRACE: list[Optional[str]] = [None]
 # Prompt lengths, drawn uniformly per request (--prompt-len): the verify's prefix is a prompt
 # plus what the request has generated so far.
 PROMPT_LEN = [8, 64]
+# sglang's log level in the engines (--engine-log-level): "info" logs how long each start-up
+# phase took (weights, each CUDA-graph capture).
+ENGINE_LOG_LEVEL = ["warning"]
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -280,6 +283,7 @@ def engine_settings(
         extra["prefill_attention_backend"] = VERIFY_BACKENDS[config]
     if mixed is None:
         extra["cuda_graph_bs"] = sorted(set(batch_sizes))
+    extra["log_level"] = ENGINE_LOG_LEVEL[0]
     return eng.engine_kwargs(
         target,
         draft,
@@ -559,6 +563,11 @@ def main() -> None:
         "engine start does not fit",
     )
     parser.add_argument(
+        "--engine-log-level",
+        default=ENGINE_LOG_LEVEL[0],
+        help="sglang's --log-level in the engines: info logs each start-up phase's time",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -597,6 +606,7 @@ def main() -> None:
         set_policy_config(args.policy_config)
     POLICY_TRACE[0] = args.policy_trace
     PROMPT_LEN[:] = [int(n) for n in args.prompt_len.split(",")]
+    ENGINE_LOG_LEVEL[0] = args.engine_log_level
     if not 1 <= PROMPT_LEN[0] <= PROMPT_LEN[1]:
         parser.error(
             f"--prompt-len {args.prompt_len}: want MIN,MAX with 1 <= MIN <= MAX"

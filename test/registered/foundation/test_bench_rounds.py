@@ -62,6 +62,20 @@ def test_engines_capture_cuda_graphs_at_the_measured_batch_sizes_only(monkeypatc
     assert kwargs["disable_overlap_schedule"] is True  # tree-v1 is spec v1
 
 
+def test_the_engines_log_at_the_level_asked_for(monkeypatch):
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+
+    def log_level() -> str:
+        kwargs = bench_e2e.engine_settings(
+            Path("/t"), Path("/d"), "chain", [1], "triton"
+        )
+        return kwargs["log_level"]
+
+    assert log_level() == "warning"
+    monkeypatch.setattr(bench_e2e, "ENGINE_LOG_LEVEL", ["info"])
+    assert log_level() == "info"
+
+
 def test_the_policy_config_runs_the_shape_policy_over_its_shapes(monkeypatch):
     import json
 
