@@ -107,7 +107,47 @@ def test_an_archive_member_outside_the_cache_is_refused(tmp_path):
         tar.addfile(member, io.BytesIO(data))
     with pytest.raises(tarfile.OutsideDestinationError):
         triton_cache.install(archive, tmp_path / "cache")
-    assert not (tmp_path / "escaped").exists()
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing escaped, nothing left
+
+
+def test_a_damaged_archive_leaves_the_cache_as_it_was(tmp_path, monkeypatch):
+    for key in ("k1", "k2", "k3"):
+        compile_into(tmp_path / "host-a", monkeypatch, key)
+    archive = tmp_path / triton_cache.ARCHIVE
+    triton_cache.pack(tmp_path / "host-a", archive)
+    data = archive.read_bytes()
+    archive.write_bytes(data[: len(data) // 2])  # cut short on its way back
+    with pytest.raises((tarfile.TarError, EOFError, OSError)):
+        triton_cache.install(archive, tmp_path / "host-b")
+    assert list((tmp_path / "host-b").iterdir()) == []
+
+
+def test_an_entry_that_could_not_load_is_left_out(tmp_path, monkeypatch):
+    no_binary = {k: v for k, v in KERNEL_STAGES.items() if not k.endswith(".cubin")}
+    compile_into(tmp_path / "host-a", monkeypatch, "no-binary", stages=no_binary)
+    compile_into(tmp_path / "host-a", monkeypatch, "whole")
+    archive = tmp_path / triton_cache.ARCHIVE
+    triton_cache.pack(tmp_path / "host-a", archive)
+    shutil.rmtree(tmp_path / "host-a")
+
+    assert triton_cache.install(archive, tmp_path / "host-b") == 1
+    # Triton would take the metadata for a hit and then fail to read the binary: a miss
+    # (compile again) instead
+    assert read_hit(tmp_path / "host-b", monkeypatch, "no-binary") == {}
+    assert read_hit(tmp_path / "host-b", monkeypatch, "whole")
+
+
+def test_a_kernel_the_host_compiled_keeps_its_own_entry(tmp_path, monkeypatch):
+    compile_into(tmp_path / "host-a", monkeypatch, "k1")
+    archive = tmp_path / triton_cache.ARCHIVE
+    triton_cache.pack(tmp_path / "host-a", archive)
+    own = dict(KERNEL_STAGES, **{"_fwd_kernel.cubin": b"\x7fELF this host's"})
+    compile_into(tmp_path / "host-b", monkeypatch, "k1", stages=own)
+
+    assert triton_cache.install(archive, tmp_path / "host-b") == 0
+    hit = read_hit(tmp_path / "host-b", monkeypatch, "k1")
+    assert Path(hit["_fwd_kernel.cubin"]).read_bytes() == b"\x7fELF this host's"
+    assert "_fwd_kernel.ptx" in hit  # its own entry, IR and all
 
 
 def test_collect_and_install_through_the_command_line(tmp_path, monkeypatch, capsys):
@@ -119,7 +159,7 @@ def test_collect_and_install_through_the_command_line(tmp_path, monkeypatch, cap
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "host-b"))
     # the carried folder, as tools/gpu-env.sh passes it
     assert triton_cache.main(["install", str(tmp_path / "out")]) == 0
-    assert "1 kernels installed" in capsys.readouterr().out
+    assert "1 kernels added" in capsys.readouterr().out
     assert read_hit(tmp_path / "host-b", monkeypatch, "k1")
 
 

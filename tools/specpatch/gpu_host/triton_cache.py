@@ -27,10 +27,13 @@ import argparse
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from specpatch.gpu_host import MAX_RETURNED_BYTES
 
@@ -49,9 +52,8 @@ def cache_dir(environ=os.environ) -> Path:
 
 @dataclass(frozen=True)
 class Packed:
-    kernels: (
-        int  # cache folders with a group file: kernels a later call will not compile
-    )
+    # cache folders with a group file: kernels a later call need not compile
+    kernels: int
     files: int
     archive_bytes: int
 
@@ -89,38 +91,50 @@ def pack(cache: Path, archive: Path, max_bytes: int = MAX_RETURNED_BYTES) -> Pac
         )
     archive.parent.mkdir(parents=True, exist_ok=True)
     archive.write_bytes(buffer.getvalue())
-    return Packed(sum(1 for _ in entries), sum(len(f) for _, f in entries), size)
+    return Packed(len(entries), sum(len(f) for _, f in entries), size)
 
 
-def _relink_group(group: Path) -> None:
-    """Point a group file's members at this folder, dropping members not here (the IR that
-    was not carried): Triton reads a hit from exactly the members the group names."""
-    data = json.loads(group.read_text())
-    members = {
-        name: str(group.parent / name)
-        for name in data.get("child_paths", {})
+def _relinked_group(group: Path, final: Path) -> Optional[dict]:
+    """The group file's contents with its members at `final`, keeping those the archive
+    brought (the IR stays home), or None where the entry could not load: Triton treats a group
+    with its metadata as a hit and then reads the binary, so an entry needs both."""
+    members = [
+        name
+        for name in json.loads(group.read_text()).get("child_paths", {})
         if (group.parent / name).is_file()
-    }
-    data["child_paths"] = members
-    staged = group.with_name(group.name + ".relink")
-    staged.write_text(json.dumps(data))
-    staged.replace(group)
+    ]
+    if not (
+        any(n.endswith(".json") for n in members)
+        and any(n.endswith(".cubin") for n in members)
+    ):
+        return None
+    return {"child_paths": {name: str(final / name) for name in members}}
 
 
 def install(archive: Path, cache: Path) -> int:
-    """Unpack a collected archive into `cache`; returns the number of kernels it holds."""
+    """Add a collected archive's kernels to `cache`; returns how many were added.
+
+    The archive is unpacked beside the cache first and each complete entry then moved in
+    whole, so a damaged archive leaves the cache as it was (install raises) and a kernel this
+    host already compiled keeps its own entry."""
     cache.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(archive, mode="r:xz") as tar:
-        # "data": no member may leave `cache` or be a link, device or set-uid file.
-        tar.extractall(cache, filter="data")
-        groups = [
-            m.name
-            for m in tar.getmembers()
-            if Path(m.name).name.startswith(GROUP_PREFIX)
-        ]
-    for name in groups:
-        _relink_group(cache / name)
-    return len(groups)
+    staging = Path(tempfile.mkdtemp(prefix=".install-", dir=cache))
+    try:
+        with tarfile.open(archive, mode="r:xz") as tar:
+            # "data": no member may leave the folder or be a link, device or set-uid file.
+            tar.extractall(staging, filter="data")
+        added = 0
+        for group in sorted(staging.glob(f"*/{GROUP_PREFIX}*")):
+            final = cache / group.parent.name
+            contents = _relinked_group(group, final)
+            if contents is None or final.exists():
+                continue
+            group.write_text(json.dumps(contents))
+            group.parent.rename(final)
+            added += 1
+        return added
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _archive_in(path: Path) -> Path:
@@ -157,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     kernels = install(_archive_in(args.archive), cache)
-    print(f"triton_cache: {kernels} kernels installed into {cache}")
+    print(f"triton_cache: {kernels} kernels added to {cache}")
     return 0
 
 
