@@ -120,6 +120,8 @@ def test_a_damaged_archive_leaves_the_cache_as_it_was(tmp_path, monkeypatch):
     with pytest.raises((tarfile.TarError, EOFError, OSError)):
         triton_cache.install(archive, tmp_path / "host-b")
     assert list((tmp_path / "host-b").iterdir()) == []
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "host-b"))
+    assert triton_cache.main(["install", str(archive)]) == 1  # a line, not a traceback
 
 
 def test_an_entry_that_could_not_load_is_left_out(tmp_path, monkeypatch):

@@ -170,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{packed.archive_bytes / 2**20:.1f} MiB in {args.out_dir / ARCHIVE}"
         )
         return 0
-    kernels = install(_archive_in(args.archive), cache)
+    try:
+        kernels = install(_archive_in(args.archive), cache)
+    except (tarfile.TarError, EOFError, OSError) as e:
+        # The call goes on: its engines compile what the archive would have brought.
+        print(f"triton_cache: nothing added, {e!r}", file=sys.stderr)
+        return 1
     print(f"triton_cache: {kernels} kernels added to {cache}")
     return 0
 
