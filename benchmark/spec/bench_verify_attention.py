@@ -10,6 +10,12 @@ target by default) and the ratios upstream / short and upstream / split; `split 
 split prefix with its partial kernel on the warp count the plan does not pick (4 <-> 8), and
 `short / split` says whether splitting pays against the short tile alone. The outputs are
 compared too: each changes the work, not the attention.
+
+With --fa3 (FA3 staged: specpatch.gpu_host.fa3_stage), each row also times FA3's tree verify as
+sglang's FlashAttention backend runs it (fa3_cascade.py: a prefix pass, an expand pass and a
+merge) and variants of it: the prefix pass alone, one split (num_splits 1), GQA packing forced
+(pack_gqa), and the prefix pass's tile schedule made once (scheduler_metadata, as sglang does
+for decode only); `fa3 / split` compares sglang's cascade with the series' triton verify.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import fa3_cascade
 import torch
 import triton.testing
 
@@ -24,10 +31,10 @@ from sglang.srt.layers.attention import triton_short_extend, triton_split_prefix
 from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
 
-def verify_batch(bs, prefix_len, draft_tokens, heads, kv_heads, dim):
+def verify_batch(bs, prefix_len, draft_tokens, heads, kv_heads, dim, dev="cuda"):
     """A verify of bs requests with prefix_len tokens each in scattered KV slots and a chain
     (causal) mask over draft_tokens rows; what extend_attention_fwd takes."""
-    dev, dt = "cuda", torch.bfloat16
+    dt = torch.bfloat16
     pool = bs * prefix_len + 1024
     n = bs * draft_tokens
     mask_rows = [
@@ -87,12 +94,41 @@ def time_us(
     return us, args["o_extend"].clone()
 
 
+def time_graphed_us(fn) -> float:
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
+
+
+def fa3_row(args: dict, expected: torch.Tensor) -> dict:
+    """Microseconds per layer of FA3's cascade and its variants on the batch `args`, each
+    checked against the triton verify's output `expected`."""
+    inputs = fa3_cascade.cascade_inputs(args)
+    variants = {
+        "fa3_us": {},
+        "fa3_num_splits_1_us": {"num_splits": 1},
+        "fa3_pack_gqa_us": {"pack_gqa": True},
+        "fa3_scheduler_metadata_us": {
+            "scheduler_metadata": fa3_cascade.prefix_scheduler_metadata(inputs)
+        },
+    }
+    row = {}
+    for name, kwargs in variants.items():
+        out = fa3_cascade.run_cascade(inputs, **kwargs)
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+        row[name] = time_graphed_us(lambda: fa3_cascade.run_cascade(inputs, **kwargs))
+    row["fa3_prefix_pass_us"] = time_graphed_us(
+        lambda: fa3_cascade.run_cascade(inputs, prefix_only=True)
+    )
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch-sizes", default="1,16,48,64")
     p.add_argument("--draft-tokens", default="2,4,8,32")
     p.add_argument("--prefix-lens", default="128,256,1024,4096")
     p.add_argument("--heads", default="32,8,128", help="query heads, kv heads, dim")
+    p.add_argument("--fa3", action="store_true", help="also FA3's cascade verify")
     p.add_argument("--out")
     a = p.parse_args()
     heads, kv_heads, dim = (int(x) for x in a.heads.split(","))
@@ -122,6 +158,8 @@ def main() -> None:
                         split_other_warps_us=split_other,
                     )
                 )
+                if a.fa3:
+                    rows[-1].update(fa3_row(args, out_upstream))
                 print(
                     f"{bs:>4} {prefix_len:>6} {draft_tokens:>5} {upstream:>12.1f} "
                     f"{short:>9.1f} {split:>9.1f} {split_other:>11.1f} "
@@ -129,6 +167,16 @@ def main() -> None:
                     f"{short / split:>12.2f}x",
                     flush=True,
                 )
+                if a.fa3:
+                    r = rows[-1]
+                    print(
+                        f"      fa3 cascade {r['fa3_us']:.1f} us (prefix pass "
+                        f"{r['fa3_prefix_pass_us']:.1f}), num_splits 1 "
+                        f"{r['fa3_num_splits_1_us']:.1f}, pack_gqa {r['fa3_pack_gqa_us']:.1f}, "
+                        f"scheduler metadata {r['fa3_scheduler_metadata_us']:.1f}; "
+                        f"fa3 / split {r['fa3_us'] / split:.2f}x",
+                        flush=True,
+                    )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

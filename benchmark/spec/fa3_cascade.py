@@ -1,0 +1,215 @@
+"""FA3's tree verify, as sglang's FlashAttention backend runs it, for kernel-level timing.
+
+FA3 has no custom-mask kernel, so for a tree (topk > 1) sglang's backend verifies in a cascade
+(flashattention_backend.forward_extend, `use_cascade_attn`), per layer:
+
+1. prefix: every draft row of a request attends to the request's committed prefix, no mask
+   (one varlen FA3 call, query rows per request = num_draft_tokens, pages of one token);
+2. expand: every draft row is a sequence of its own whose KV is the draft tokens the tree
+   mask lets it see (a page table row of their slots);
+3. merge: the two partial outputs weighed by their log-sum-exps (merge_state_v2, after
+   transposing FA3's [heads, rows] LSE to [rows, heads]).
+
+`cascade_inputs` builds those inputs from a triton extend batch (bench_verify_attention's
+verify_batch: prefix slots, the draft tokens' K/V, the custom mask), `run_cascade` runs the
+FA3 kernels, and `reference_cascade` is the same three steps in plain torch, which a CPU test
+checks against the plain-torch extend attention: the timed kernels attend as the verify does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class CascadeInputs:
+    """A verify of bs requests with n = bs x draft_tokens query rows, KV in pages of one token.
+    The draft tokens' K/V sit in the cache after the prefix pool (as the verify writes them
+    before attending)."""
+
+    q: torch.Tensor  # [n, heads, dim]
+    k_cache: torch.Tensor  # [slots, 1, kv_heads, dim]: pages of one token
+    v_cache: torch.Tensor  # [slots, 1, kv_heads, dim]
+    # prefix pass
+    prefix_page_table: (
+        torch.Tensor
+    )  # [bs, max_prefix] int32: each request's prefix slots
+    prefix_lens: torch.Tensor  # [bs] int32
+    prefix_cu_q: torch.Tensor  # [bs + 1] int32: draft rows per request
+    draft_tokens: int
+    # expand pass: one sequence per draft row
+    expand_page_table: torch.Tensor  # [n, draft_tokens] int32: the slots a row may see
+    expand_lens: torch.Tensor  # [n] int32: how many of them
+    expand_cu_q: torch.Tensor  # [n + 1] int32: one query row each
+
+
+def cascade_inputs(batch: dict) -> CascadeInputs:
+    """FA3's cascade inputs for a triton extend batch whose prefixes are equally long (as
+    verify_batch makes them); the custom mask may be any tree's."""
+    qo_indptr, kv_indptr = batch["qo_indptr"], batch["kv_indptr"]
+    bs = qo_indptr.shape[0] - 1
+    draft_tokens = int(qo_indptr[1] - qo_indptr[0])
+    prefix_len = int(kv_indptr[1] - kv_indptr[0])
+    n = bs * draft_tokens
+    dev = batch["q_extend"].device
+    pool = batch["k_buffer"].shape[0]
+    k_cache = torch.cat([batch["k_buffer"], batch["k_extend"]]).unsqueeze(1)
+    v_cache = torch.cat([batch["v_buffer"], batch["v_extend"]]).unsqueeze(1)
+
+    # The extend block of each request's mask: [bs, draft_tokens, draft_tokens].
+    masks = batch["custom_mask"].view(bs, draft_tokens, prefix_len + draft_tokens)
+    visible = masks[:, :, prefix_len:].reshape(n, draft_tokens).bool()
+    # Row r of request b sees draft token j at slot pool + b * draft_tokens + j; its
+    # visible slots first, in order, the rest of the row unread.
+    draft_slots = pool + torch.arange(n, device=dev, dtype=torch.int32).view(
+        bs, 1, draft_tokens
+    ).expand(bs, draft_tokens, draft_tokens).reshape(n, draft_tokens)
+    order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
+    expand_page_table = torch.gather(draft_slots, 1, order)
+    return CascadeInputs(
+        q=batch["q_extend"],
+        k_cache=k_cache,
+        v_cache=v_cache,
+        prefix_page_table=batch["kv_indices"].to(torch.int32).view(bs, prefix_len),
+        prefix_lens=torch.full((bs,), prefix_len, dtype=torch.int32, device=dev),
+        prefix_cu_q=qo_indptr.to(torch.int32),
+        draft_tokens=draft_tokens,
+        expand_page_table=expand_page_table.contiguous(),
+        expand_lens=visible.sum(1, dtype=torch.int32),
+        expand_cu_q=torch.arange(n + 1, dtype=torch.int32, device=dev),
+    )
+
+
+def _paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of each sequence's query rows over its first lens[i] page-table
+    slots, in fp32: (out [rows, heads, dim], lse [heads, rows]) as FA3 returns them."""
+    heads = q.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(heads, q.shape[0], dtype=torch.float32, device=q.device)
+    for i in range(cu_q.shape[0] - 1):
+        r0, r1 = int(cu_q[i]), int(cu_q[i + 1])
+        slots = page_table[i, : int(lens[i])].long()
+        group = heads // k_cache.shape[2]
+        keys = k_cache[slots, 0].float().repeat_interleave(group, dim=1)
+        values = v_cache[slots, 0].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[r0:r1].float(), keys) * sm_scale
+        lse[:, r0:r1] = scores.logsumexp(-1)
+        out[r0:r1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    return out, lse
+
+
+def _merge_reference(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """merge_state_v2's math: outputs [rows, heads, dim], LSEs [rows, heads]."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = (lse_a - lse).exp().unsqueeze(-1)
+    weight_b = (lse_b - lse).exp().unsqueeze(-1)
+    return out_a * weight_a + out_b * weight_b
+
+
+def reference_cascade(inputs: CascadeInputs, sm_scale: float) -> torch.Tensor:
+    """The cascade in plain torch: [n, heads, dim] in the query's dtype."""
+    prefix_out, prefix_lse = _paged_attention_reference(
+        inputs.q,
+        inputs.k_cache,
+        inputs.v_cache,
+        inputs.prefix_page_table,
+        inputs.prefix_lens,
+        inputs.prefix_cu_q,
+        sm_scale,
+    )
+    expand_out, expand_lse = _paged_attention_reference(
+        inputs.q,
+        inputs.k_cache,
+        inputs.v_cache,
+        inputs.expand_page_table,
+        inputs.expand_lens,
+        inputs.expand_cu_q,
+        sm_scale,
+    )
+    merged = _merge_reference(prefix_out, prefix_lse.T, expand_out, expand_lse.T)
+    return merged.to(inputs.q.dtype)
+
+
+def prefix_scheduler_metadata(
+    inputs: CascadeInputs, num_splits: int = 0, pack_gqa: Optional[bool] = None
+) -> torch.Tensor:
+    """FA3's tile schedule for the prefix pass, made once for every layer of a step (what
+    sglang precomputes for decode only; each verify call otherwise launches its own)."""
+    from sgl_kernel.flash_attn import get_scheduler_metadata
+
+    heads, dim = inputs.q.shape[1], inputs.q.shape[2]
+    return get_scheduler_metadata(
+        batch_size=inputs.prefix_lens.shape[0],
+        max_seqlen_q=inputs.draft_tokens,
+        max_seqlen_k=inputs.prefix_page_table.shape[1],
+        num_heads=heads,
+        num_heads_k=inputs.k_cache.shape[2],
+        headdim=dim,
+        cache_seqlens=inputs.prefix_lens,
+        qkv_dtype=inputs.q.dtype,
+        cu_seqlens_q=inputs.prefix_cu_q,
+        page_size=1,
+        num_splits=num_splits,
+        pack_gqa=pack_gqa,
+    )
+
+
+def run_cascade(
+    inputs: CascadeInputs,
+    *,
+    num_splits: int = 0,
+    pack_gqa: Optional[bool] = None,
+    scheduler_metadata: Optional[torch.Tensor] = None,
+    prefix_only: bool = False,
+) -> torch.Tensor:
+    """One layer's cascade on FA3 with sglang's arguments (num_splits 0 and pack_gqa None are
+    its own); prefix_only stops after the prefix pass, to split the time."""
+    from sgl_kernel import merge_state_v2
+    from sgl_kernel.flash_attn import flash_attn_with_kvcache
+
+    out, lse, *_ = flash_attn_with_kvcache(
+        q=inputs.q,
+        k_cache=inputs.k_cache,
+        v_cache=inputs.v_cache,
+        page_table=inputs.prefix_page_table,
+        cache_seqlens=inputs.prefix_lens,
+        cu_seqlens_q=inputs.prefix_cu_q,
+        max_seqlen_q=inputs.draft_tokens,
+        causal=False,
+        return_softmax_lse=True,
+        scheduler_metadata=scheduler_metadata,
+        num_splits=num_splits,
+        pack_gqa=pack_gqa,
+    )
+    if prefix_only:
+        return out
+    out_expand, lse_expand, *_ = flash_attn_with_kvcache(
+        q=inputs.q,
+        k_cache=inputs.k_cache,
+        v_cache=inputs.v_cache,
+        page_table=inputs.expand_page_table,
+        cache_seqlens=inputs.expand_lens,
+        cu_seqlens_q=inputs.expand_cu_q,
+        max_seqlen_q=1,
+        causal=False,
+        return_softmax_lse=True,
+        num_splits=num_splits,
+        pack_gqa=pack_gqa,
+    )
+    merged, _ = merge_state_v2(
+        out, lse.T.contiguous(), out_expand, lse_expand.T.contiguous()
+    )
+    return merged
