@@ -15,7 +15,8 @@ With --fa3 (FA3 staged: specpatch.gpu_host.fa3_stage), each row also times FA3's
 sglang's FlashAttention backend runs it (fa3_cascade.py: a prefix pass, an expand pass and a
 merge) and variants of it: the prefix pass alone, one split (num_splits 1), GQA packing forced
 (pack_gqa), and the prefix pass's tile schedule made once (scheduler_metadata, as sglang does
-for decode only); `fa3 / split` compares sglang's cascade with the series' triton verify.
+for decode only), and a prefix page table far wider than the prefixes (as when the table's
+rows are sized from bounds); `fa3 / split` compares sglang's cascade with the series' triton verify.
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ def time_us(
     return us, args["o_extend"].clone()
 
 
+# A prefix page table as wide as a long context's, for rows whose lengths are much shorter:
+# sglang's FA3 CUDA graphs capture the verify with page-table rows of the context length.
+WIDE_PREFIX_TABLE = 8192
+
+
 def time_graphed_us(fn) -> float:
     fn()
     return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
@@ -118,6 +124,14 @@ def fa3_row(args: dict, expected: torch.Tensor) -> dict:
         row[name] = time_graphed_us(lambda: fa3_cascade.run_cascade(inputs, **kwargs))
     row["fa3_prefix_pass_us"] = time_graphed_us(
         lambda: fa3_cascade.run_cascade(inputs, prefix_only=True)
+    )
+    wide = fa3_cascade.with_wide_prefix_table(inputs, WIDE_PREFIX_TABLE)
+    torch.testing.assert_close(
+        fa3_cascade.run_cascade(wide), expected, atol=2e-2, rtol=2e-2
+    )
+    row["fa3_wide_table_us"] = time_graphed_us(lambda: fa3_cascade.run_cascade(wide))
+    row["fa3_wide_table_num_splits_1_us"] = time_graphed_us(
+        lambda: fa3_cascade.run_cascade(wide, num_splits=1)
     )
     return row
 
@@ -173,7 +187,9 @@ def main() -> None:
                         f"      fa3 cascade {r['fa3_us']:.1f} us (prefix pass "
                         f"{r['fa3_prefix_pass_us']:.1f}), num_splits 1 "
                         f"{r['fa3_num_splits_1_us']:.1f}, pack_gqa {r['fa3_pack_gqa_us']:.1f}, "
-                        f"scheduler metadata {r['fa3_scheduler_metadata_us']:.1f}; "
+                        f"scheduler metadata {r['fa3_scheduler_metadata_us']:.1f}, "
+                        f"{WIDE_PREFIX_TABLE}-wide table {r['fa3_wide_table_us']:.1f} "
+                        f"(num_splits 1 {r['fa3_wide_table_num_splits_1_us']:.1f}); "
                         f"fa3 / split {r['fa3_us'] / split:.2f}x",
                         flush=True,
                     )

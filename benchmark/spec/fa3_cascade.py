@@ -18,6 +18,7 @@ checks against the plain-torch extend attention: the timed kernels attend as the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -81,6 +82,16 @@ def cascade_inputs(batch: dict) -> CascadeInputs:
         expand_lens=visible.sum(1, dtype=torch.int32),
         expand_cu_q=torch.arange(n + 1, dtype=torch.int32, device=dev),
     )
+
+
+def with_wide_prefix_table(inputs: CascadeInputs, width: int) -> CascadeInputs:
+    """The same verify with the prefix page table `width` columns wide, the lengths unchanged:
+    what FA3 sees when its metadata rows are sized from bounds or the context length (FA3 takes
+    its largest KV length from the table's width, and plans its splits from it)."""
+    table = inputs.prefix_page_table
+    wide = torch.zeros(table.shape[0], width, dtype=table.dtype, device=table.device)
+    wide[:, : table.shape[1]] = table
+    return dataclasses.replace(inputs, prefix_page_table=wide)
 
 
 def _paged_attention_reference(

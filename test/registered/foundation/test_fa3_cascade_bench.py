@@ -81,8 +81,13 @@ def test_the_cascade_inputs_attend_as_the_verify_does(bs, prefix_len, parents):
     inputs = fa3_cascade.cascade_inputs(batch)
 
     got = fa3_cascade.reference_cascade(inputs, sm_scale=DIM**-0.5)
+    wide = fa3_cascade.with_wide_prefix_table(inputs, 64)
 
-    torch.testing.assert_close(got, extend_reference(batch), atol=2e-2, rtol=2e-2)
+    expected = extend_reference(batch)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        fa3_cascade.reference_cascade(wide, sm_scale=DIM**-0.5), expected
+    )
     # each draft row reads exactly its ancestors and itself, its visible slots first
     ancestors = []
     for j in range(len(parents)):
