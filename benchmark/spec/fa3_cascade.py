@@ -26,25 +26,27 @@ import torch
 
 
 @dataclass(frozen=True)
+class PagedPass:
+    """One varlen FA3 call over pages of one token: sequence i's query rows
+    cu_q[i]:cu_q[i + 1] attend, unmasked, to the first lens[i] slots of page_table[i].
+    """
+
+    page_table: torch.Tensor  # [sequences, width] int32: KV slots
+    lens: torch.Tensor  # [sequences] int32
+    cu_q: torch.Tensor  # [sequences + 1] int32
+    max_q_rows: int
+
+
+@dataclass(frozen=True)
 class CascadeInputs:
-    """A verify of bs requests with n = bs x draft_tokens query rows, KV in pages of one token.
-    The draft tokens' K/V sit in the cache after the prefix pool (as the verify writes them
-    before attending)."""
+    """A verify of bs requests with n = bs x draft_tokens query rows. The draft tokens' K/V
+    sit in the cache after the prefix pool (the verify writes them before attending)."""
 
     q: torch.Tensor  # [n, heads, dim]
     k_cache: torch.Tensor  # [slots, 1, kv_heads, dim]: pages of one token
     v_cache: torch.Tensor  # [slots, 1, kv_heads, dim]
-    # prefix pass
-    prefix_page_table: (
-        torch.Tensor
-    )  # [bs, max_prefix] int32: each request's prefix slots
-    prefix_lens: torch.Tensor  # [bs] int32
-    prefix_cu_q: torch.Tensor  # [bs + 1] int32: draft rows per request
-    draft_tokens: int
-    # expand pass: one sequence per draft row
-    expand_page_table: torch.Tensor  # [n, draft_tokens] int32: the slots a row may see
-    expand_lens: torch.Tensor  # [n] int32: how many of them
-    expand_cu_q: torch.Tensor  # [n + 1] int32: one query row each
+    prefix: PagedPass  # bs sequences: a request's draft rows over its prefix
+    expand: PagedPass  # n sequences: a draft row over the draft tokens its mask shows
 
 
 def cascade_inputs(batch: dict) -> CascadeInputs:
@@ -57,61 +59,59 @@ def cascade_inputs(batch: dict) -> CascadeInputs:
     n = bs * draft_tokens
     dev = batch["q_extend"].device
     pool = batch["k_buffer"].shape[0]
-    k_cache = torch.cat([batch["k_buffer"], batch["k_extend"]]).unsqueeze(1)
-    v_cache = torch.cat([batch["v_buffer"], batch["v_extend"]]).unsqueeze(1)
 
-    # The extend block of each request's mask: [bs, draft_tokens, draft_tokens].
+    # The extend block of each request's mask: [n, draft_tokens].
     masks = batch["custom_mask"].view(bs, draft_tokens, prefix_len + draft_tokens)
     visible = masks[:, :, prefix_len:].reshape(n, draft_tokens).bool()
-    # Row r of request b sees draft token j at slot pool + b * draft_tokens + j; its
-    # visible slots first, in order, the rest of the row unread.
+    # Row r of request b sees draft token j at slot pool + b * draft_tokens + j: its
+    # visible slots first, in order, the rest of its page-table row unread.
     draft_slots = pool + torch.arange(n, device=dev, dtype=torch.int32).view(
         bs, 1, draft_tokens
     ).expand(bs, draft_tokens, draft_tokens).reshape(n, draft_tokens)
-    order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
-    expand_page_table = torch.gather(draft_slots, 1, order)
+    visible_first = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
     return CascadeInputs(
         q=batch["q_extend"],
-        k_cache=k_cache,
-        v_cache=v_cache,
-        prefix_page_table=batch["kv_indices"].to(torch.int32).view(bs, prefix_len),
-        prefix_lens=torch.full((bs,), prefix_len, dtype=torch.int32, device=dev),
-        prefix_cu_q=qo_indptr.to(torch.int32),
-        draft_tokens=draft_tokens,
-        expand_page_table=expand_page_table.contiguous(),
-        expand_lens=visible.sum(1, dtype=torch.int32),
-        expand_cu_q=torch.arange(n + 1, dtype=torch.int32, device=dev),
+        k_cache=torch.cat([batch["k_buffer"], batch["k_extend"]]).unsqueeze(1),
+        v_cache=torch.cat([batch["v_buffer"], batch["v_extend"]]).unsqueeze(1),
+        prefix=PagedPass(
+            page_table=batch["kv_indices"].to(torch.int32).view(bs, prefix_len),
+            lens=torch.full((bs,), prefix_len, dtype=torch.int32, device=dev),
+            cu_q=qo_indptr.to(torch.int32),
+            max_q_rows=draft_tokens,
+        ),
+        expand=PagedPass(
+            page_table=torch.gather(draft_slots, 1, visible_first).contiguous(),
+            lens=visible.sum(1, dtype=torch.int32),
+            cu_q=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            max_q_rows=1,
+        ),
     )
 
 
 def with_wide_prefix_table(inputs: CascadeInputs, width: int) -> CascadeInputs:
     """The same verify with the prefix page table `width` columns wide, the lengths unchanged:
-    what FA3 sees when its metadata rows are sized from bounds or the context length (FA3 takes
-    its largest KV length from the table's width, and plans its splits from it)."""
-    table = inputs.prefix_page_table
+    what FA3 sees in sglang's CUDA graphs, whose verify metadata rows are as wide as the
+    context (FA3 takes the longest KV from the table's width and plans its splits from it).
+    """
+    table = inputs.prefix.page_table
     wide = torch.zeros(table.shape[0], width, dtype=table.dtype, device=table.device)
     wide[:, : table.shape[1]] = table
-    return dataclasses.replace(inputs, prefix_page_table=wide)
+    prefix = dataclasses.replace(inputs.prefix, page_table=wide)
+    return dataclasses.replace(inputs, prefix=prefix)
 
 
 def _paged_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    lens: torch.Tensor,
-    cu_q: torch.Tensor,
-    sm_scale: float,
+    inputs: CascadeInputs, paged: PagedPass, sm_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal attention of each sequence's query rows over its first lens[i] page-table
-    slots, in fp32: (out [rows, heads, dim], lse [heads, rows]) as FA3 returns them."""
+    """One pass in fp32: (out [rows, heads, dim], lse [heads, rows]) as FA3 returns them."""
+    q, k_cache, v_cache = inputs.q, inputs.k_cache, inputs.v_cache
     heads = q.shape[1]
+    group = heads // k_cache.shape[2]
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(heads, q.shape[0], dtype=torch.float32, device=q.device)
-    for i in range(cu_q.shape[0] - 1):
-        r0, r1 = int(cu_q[i]), int(cu_q[i + 1])
-        slots = page_table[i, : int(lens[i])].long()
-        group = heads // k_cache.shape[2]
+    for i in range(paged.cu_q.shape[0] - 1):
+        r0, r1 = int(paged.cu_q[i]), int(paged.cu_q[i + 1])
+        slots = paged.page_table[i, : int(paged.lens[i])].long()
         keys = k_cache[slots, 0].float().repeat_interleave(group, dim=1)
         values = v_cache[slots, 0].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[r0:r1].float(), keys) * sm_scale
@@ -132,24 +132,8 @@ def _merge_reference(
 
 def reference_cascade(inputs: CascadeInputs, sm_scale: float) -> torch.Tensor:
     """The cascade in plain torch: [n, heads, dim] in the query's dtype."""
-    prefix_out, prefix_lse = _paged_attention_reference(
-        inputs.q,
-        inputs.k_cache,
-        inputs.v_cache,
-        inputs.prefix_page_table,
-        inputs.prefix_lens,
-        inputs.prefix_cu_q,
-        sm_scale,
-    )
-    expand_out, expand_lse = _paged_attention_reference(
-        inputs.q,
-        inputs.k_cache,
-        inputs.v_cache,
-        inputs.expand_page_table,
-        inputs.expand_lens,
-        inputs.expand_cu_q,
-        sm_scale,
-    )
+    prefix_out, prefix_lse = _paged_attention_reference(inputs, inputs.prefix, sm_scale)
+    expand_out, expand_lse = _paged_attention_reference(inputs, inputs.expand, sm_scale)
     merged = _merge_reference(prefix_out, prefix_lse.T, expand_out, expand_lse.T)
     return merged.to(inputs.q.dtype)
 
@@ -163,18 +147,36 @@ def prefix_scheduler_metadata(
 
     heads, dim = inputs.q.shape[1], inputs.q.shape[2]
     return get_scheduler_metadata(
-        batch_size=inputs.prefix_lens.shape[0],
-        max_seqlen_q=inputs.draft_tokens,
-        max_seqlen_k=inputs.prefix_page_table.shape[1],
+        batch_size=inputs.prefix.lens.shape[0],
+        max_seqlen_q=inputs.prefix.max_q_rows,
+        max_seqlen_k=inputs.prefix.page_table.shape[1],
         num_heads=heads,
         num_heads_k=inputs.k_cache.shape[2],
         headdim=dim,
-        cache_seqlens=inputs.prefix_lens,
+        cache_seqlens=inputs.prefix.lens,
         qkv_dtype=inputs.q.dtype,
-        cu_seqlens_q=inputs.prefix_cu_q,
+        cu_seqlens_q=inputs.prefix.cu_q,
         page_size=1,
         num_splits=num_splits,
         pack_gqa=pack_gqa,
+    )
+
+
+def _fa3_pass(inputs: CascadeInputs, paged: PagedPass, **options):
+    """One pass on FA3, as sglang calls it for a tree verify: (out, lse [heads, rows], ...)."""
+    from sgl_kernel.flash_attn import flash_attn_with_kvcache
+
+    return flash_attn_with_kvcache(
+        q=inputs.q,
+        k_cache=inputs.k_cache,
+        v_cache=inputs.v_cache,
+        page_table=paged.page_table,
+        cache_seqlens=paged.lens,
+        cu_seqlens_q=paged.cu_q,
+        max_seqlen_q=paged.max_q_rows,
+        causal=False,
+        return_softmax_lse=True,
+        **options,
     )
 
 
@@ -189,37 +191,14 @@ def run_cascade(
     """One layer's cascade on FA3 with sglang's arguments (num_splits 0 and pack_gqa None are
     its own); prefix_only stops after the prefix pass, to split the time."""
     from sgl_kernel import merge_state_v2
-    from sgl_kernel.flash_attn import flash_attn_with_kvcache
 
-    out, lse, *_ = flash_attn_with_kvcache(
-        q=inputs.q,
-        k_cache=inputs.k_cache,
-        v_cache=inputs.v_cache,
-        page_table=inputs.prefix_page_table,
-        cache_seqlens=inputs.prefix_lens,
-        cu_seqlens_q=inputs.prefix_cu_q,
-        max_seqlen_q=inputs.draft_tokens,
-        causal=False,
-        return_softmax_lse=True,
-        scheduler_metadata=scheduler_metadata,
-        num_splits=num_splits,
-        pack_gqa=pack_gqa,
+    options = dict(num_splits=num_splits, pack_gqa=pack_gqa)
+    out, lse, *_ = _fa3_pass(
+        inputs, inputs.prefix, scheduler_metadata=scheduler_metadata, **options
     )
     if prefix_only:
         return out
-    out_expand, lse_expand, *_ = flash_attn_with_kvcache(
-        q=inputs.q,
-        k_cache=inputs.k_cache,
-        v_cache=inputs.v_cache,
-        page_table=inputs.expand_page_table,
-        cache_seqlens=inputs.expand_lens,
-        cu_seqlens_q=inputs.expand_cu_q,
-        max_seqlen_q=1,
-        causal=False,
-        return_softmax_lse=True,
-        num_splits=num_splits,
-        pack_gqa=pack_gqa,
-    )
+    out_expand, lse_expand, *_ = _fa3_pass(inputs, inputs.expand, **options)
     merged, _ = merge_state_v2(
         out, lse.T.contiguous(), out_expand, lse_expand.T.contiguous()
     )

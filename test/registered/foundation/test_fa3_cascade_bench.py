@@ -95,9 +95,9 @@ def test_the_cascade_inputs_attend_as_the_verify_does(bs, prefix_len, parents):
         while node >= 0:
             count, node = count + 1, parents[node]
         ancestors.append(count)
-    assert inputs.expand_lens.tolist() == ancestors * bs
+    assert inputs.expand.lens.tolist() == ancestors * bs
     pool = batch["k_buffer"].shape[0]
-    last_row = inputs.expand_page_table[len(parents) - 1]  # request 0's last draft row
+    last_row = inputs.expand.page_table[len(parents) - 1]  # request 0's last draft row
     path = [len(parents) - 1]
     while parents[path[-1]] >= 0:
         path.append(parents[path[-1]])
