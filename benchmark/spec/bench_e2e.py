@@ -80,6 +80,9 @@ KERNEL_AB = {
         "SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1",
         "SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN": "1",
     },
+    # FA3's cascade tree verify with one KV split per pass instead of FA3's choice
+    # (fa3_verify_splits.py): "tree-verify-one-split@fa3".
+    "verify-one-split": {"SGLANG_FA3_TREE_VERIFY_NUM_SPLITS": "1"},
 }
 for _suffix, _env in KERNEL_AB.items():
     CONFIGS[f"chain-{_suffix}"] = (
