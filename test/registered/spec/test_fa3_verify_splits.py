@@ -1,4 +1,4 @@
-"""fa3_verify_splits: the split count of FA3's cascade tree verify (patch 0031)."""
+"""fa3_verify_splits: the split count of FA3's cascade tree verify, fixed on request."""
 
 from __future__ import annotations
 
