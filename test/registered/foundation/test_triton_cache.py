@@ -170,3 +170,37 @@ def test_the_cache_is_tritons_default_without_the_variable():
     assert triton_cache.cache_dir({"TRITON_CACHE_DIR": "/c", "HOME": "/h"}) == Path(
         "/c"
     )
+
+
+def test_a_kernel_triton_compiled_is_a_hit_after_the_trip(tmp_path, monkeypatch):
+    """End to end through triton.compile for sm_90 (Triton's own ptxas, no GPU needed): the
+    carried entry, without its IR, is what compile returns on the next host."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def add(x, y, out, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        total = tl.load(x + i, mask=inside) + tl.load(y + i, mask=inside)
+        tl.store(out + i, total, mask=inside)
+
+    def compile_add():
+        signature = {"x": "*fp32", "y": "*fp32", "out": "*fp32", "n": "i32"}
+        source = ASTSource(fn=add, signature=signature, constexprs={"BLOCK": 128})
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "host-a"))
+    compiled = compile_add()
+    assert "ptx" in compiled.asm  # a fresh compile keeps every stage
+    archive = tmp_path / triton_cache.ARCHIVE
+    assert triton_cache.pack(tmp_path / "host-a", archive).kernels == 1
+    shutil.rmtree(tmp_path / "host-a")
+
+    assert triton_cache.install(archive, tmp_path / "host-b") == 1
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "host-b"))
+    hit = compile_add()
+    assert sorted(hit.asm) == ["cubin"]  # the carried binary, not a new compile
+    assert hit.asm["cubin"] == compiled.asm["cubin"]
