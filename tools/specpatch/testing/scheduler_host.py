@@ -1,10 +1,10 @@
 """How an engine's scheduler process used its host while a benchmark row ran.
 
 At small batch a speculating engine is bound by its scheduler's Python loop, so two engines of
-one config can differ by up to 2x when one scheduler shares its core or is preempted (session
-47's profiles: every host frame twice as long in one engine as in the next). A row that records
-how busy the scheduler's process was and how often the kernel took its core away says whether
-the row measured the config or the host.
+one config can differ widely when one scheduler shares its core or is preempted (profiles in
+docs/benchmarks.md found every host frame of one engine about twice as long as the next's). A
+row that records how busy the scheduler's process was and how often the kernel took its core
+away says whether the row measured the config or the host.
 
     schedulers = scheduler_processes()          # once the engine is up
     before = snapshot(schedulers)
