@@ -80,9 +80,9 @@ KERNEL_AB = {
         "SGLANG_SPEC_V2_BOUNDED_HOST_LENS": "1",
         "SGLANG_FLASHINFER_SPEC_UNSPLIT_PLAN": "1",
     },
-    # FA3's cascade tree verify with one KV split per pass instead of FA3's choice
-    # (fa3_verify_splits.py): "tree-verify-one-split@fa3".
-    "verify-one-split": {"SGLANG_FA3_TREE_VERIFY_NUM_SPLITS": "1"},
+    # FA3's own expand pass and merge_state_v2 in its tree attention (fa3_tree_expand.py
+    # does both in one triton launch by default): "tree-fa3-expand@fa3".
+    "fa3-expand": {"SGLANG_FA3_TREE_EXPAND": "0"},
 }
 for _suffix, _env in KERNEL_AB.items():
     CONFIGS[f"chain-{_suffix}"] = (

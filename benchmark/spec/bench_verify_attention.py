@@ -13,8 +13,9 @@ compared too: each changes the work, not the attention.
 
 With --fa3 (FA3 staged: specpatch.gpu_host.fa3_stage), each row also times FA3's tree verify as
 sglang's FlashAttention backend runs it (fa3_cascade.py: a prefix pass, an expand pass and a
-merge) and variants of it: the prefix pass alone, one split (num_splits 1), GQA packing forced
-(pack_gqa), and the prefix pass's tile schedule made once (scheduler_metadata, as sglang does
+merge) and variants of it: the prefix pass alone, the prefix pass with the draft rows attended
+and merged in one triton launch (fa3_tree_expand.py, what the series runs by default), one
+split (num_splits 1), GQA packing forced (pack_gqa), and the prefix pass's tile schedule made once (scheduler_metadata, as sglang does
 for decode only), and a prefix page table far wider than the prefixes (as when the table's
 rows are sized from bounds); `fa3 / split` compares sglang's cascade with the series' triton verify.
 """
@@ -122,6 +123,11 @@ def fa3_row(args: dict, expected: torch.Tensor) -> dict:
         out = fa3_cascade.run_cascade(inputs, **kwargs)
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
         row[name] = time_graphed_us(lambda: fa3_cascade.run_cascade(inputs, **kwargs))
+    out = fa3_cascade.run_cascade(inputs, triton_expand=True)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    row["fa3_triton_expand_us"] = time_graphed_us(
+        lambda: fa3_cascade.run_cascade(inputs, triton_expand=True)
+    )
     row["fa3_prefix_pass_us"] = time_graphed_us(
         lambda: fa3_cascade.run_cascade(inputs, prefix_only=True)
     )
@@ -185,12 +191,14 @@ def main() -> None:
                     r = rows[-1]
                     print(
                         f"      fa3 cascade {r['fa3_us']:.1f} us (prefix pass "
-                        f"{r['fa3_prefix_pass_us']:.1f}), num_splits 1 "
+                        f"{r['fa3_prefix_pass_us']:.1f}; with the triton expand "
+                        f"{r['fa3_triton_expand_us']:.1f}), num_splits 1 "
                         f"{r['fa3_num_splits_1_us']:.1f}, pack_gqa {r['fa3_pack_gqa_us']:.1f}, "
                         f"scheduler metadata {r['fa3_scheduler_metadata_us']:.1f}, "
                         f"{WIDE_PREFIX_TABLE}-wide table {r['fa3_wide_table_us']:.1f} "
                         f"(num_splits 1 {r['fa3_wide_table_num_splits_1_us']:.1f}); "
-                        f"fa3 / split {r['fa3_us'] / split:.2f}x",
+                        f"fa3 / split {r['fa3_us'] / split:.2f}x, fa3 with the triton "
+                        f"expand / split {r['fa3_triton_expand_us'] / split:.2f}x",
                         flush=True,
                     )
     if a.out:

@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.layers.attention import fa3_tree_expand
+
 
 @dataclass(frozen=True)
 class PagedPass:
@@ -187,9 +189,12 @@ def run_cascade(
     pack_gqa: Optional[bool] = None,
     scheduler_metadata: Optional[torch.Tensor] = None,
     prefix_only: bool = False,
+    triton_expand: bool = False,
 ) -> torch.Tensor:
     """One layer's cascade on FA3 with sglang's arguments (num_splits 0 and pack_gqa None are
-    its own); prefix_only stops after the prefix pass, to split the time."""
+    its own); prefix_only stops after the prefix pass, to split the time; triton_expand
+    attends the draft rows and merges in one triton launch (fa3_tree_expand.py, the series'
+    default) instead of FA3's expand pass and merge_state_v2."""
     from sgl_kernel import merge_state_v2
 
     options = dict(num_splits=num_splits, pack_gqa=pack_gqa)
@@ -198,6 +203,17 @@ def run_cascade(
     )
     if prefix_only:
         return out
+    if triton_expand:
+        return fa3_tree_expand.attend_and_merge(
+            inputs.q,
+            inputs.k_cache,
+            inputs.v_cache,
+            inputs.expand.page_table,
+            inputs.expand.lens,
+            out,
+            lse,
+            inputs.q.shape[-1] ** -0.5,
+        )
     out_expand, lse_expand, *_ = _fa3_pass(inputs, inputs.expand, **options)
     merged, _ = merge_state_v2(
         out, lse.T.contiguous(), out_expand, lse_expand.T.contiguous()

@@ -102,3 +102,34 @@ def test_the_cascade_inputs_attend_as_the_verify_does(bs, prefix_len, parents):
     while parents[path[-1]] >= 0:
         path.append(parents[path[-1]])
     assert sorted(last_row[: ancestors[-1]].tolist()) == sorted(pool + j for j in path)
+
+
+@pytest.mark.parametrize("bs,prefix_len,parents", [(3, 5, [-1, 0, 0, 1, 1, 2])])
+def test_the_triton_expand_variant_attends_as_the_verify_does(bs, prefix_len, parents):
+    """The benchmark's triton_expand variant hands the expand inputs and the prefix pass's
+    state (FA3's [heads, rows] LSE) to fa3_tree_expand: its reference, on them, is the
+    verify's attention."""
+    from sglang.srt.layers.attention import fa3_tree_expand
+
+    torch.manual_seed(bs)
+    batch = bench_verify_attention.verify_batch(
+        bs, prefix_len, len(parents), HEADS, KV_HEADS, DIM, dev="cpu"
+    )
+    batch = with_tree_mask(batch, parents)
+    inputs = fa3_cascade.cascade_inputs(batch)
+    prefix_out, prefix_lse = fa3_cascade._paged_attention_reference(
+        inputs, inputs.prefix, DIM**-0.5
+    )
+    got = fa3_tree_expand.attend_and_merge_reference(
+        inputs.q,
+        inputs.k_cache,
+        inputs.v_cache,
+        inputs.expand.page_table,
+        inputs.expand.lens,
+        prefix_out,
+        prefix_lse,
+        DIM**-0.5,
+    )
+    torch.testing.assert_close(
+        got.to(inputs.q.dtype), extend_reference(batch), atol=2e-2, rtol=2e-2
+    )
