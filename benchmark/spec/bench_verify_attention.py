@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import fa3_cascade
 import torch
@@ -84,21 +83,11 @@ def other_warps(tile_rows: int) -> int:
 
 
 def time_us(
-    args: dict,
-    short_tile: bool,
-    split_prefix: bool,
-    warps=PLANNED_WARPS,
-    any_batch: bool = False,
+    args: dict, short_tile: bool, split_prefix: bool, warps=PLANNED_WARPS
 ) -> tuple[float, torch.Tensor]:
-    """any_batch: the split prefix's plan at every batch size, where the series hands batches
-    of MIN_PROGRAMS (request, head) pairs or more to the short tile (the GQA group in one
-    tile reads each KV head once; the short tile reads it once per query head)."""
     triton_short_extend._ENABLED = short_tile
     triton_split_prefix._ENABLED = split_prefix
     triton_split_prefix.partial_warps = warps
-    triton_split_prefix.MIN_PROGRAMS = (
-        sys.maxsize if any_batch else triton_short_extend.MIN_PROGRAMS
-    )
     fn = lambda: extend_attention_fwd(**args)  # noqa: E731
     fn()
     # Replayed from a CUDA graph, as the server's verify is: a plain loop would time the
@@ -160,11 +149,6 @@ def main() -> None:
     p.add_argument("--prefix-lens", default="128,256,1024,4096")
     p.add_argument("--heads", default="32,8,128", help="query heads, kv heads, dim")
     p.add_argument("--fa3", action="store_true", help="also FA3's cascade verify")
-    p.add_argument(
-        "--split-at-any-batch",
-        action="store_true",
-        help="also the split prefix's plan where the short tile serves (any batch size)",
-    )
     p.add_argument("--out")
     a = p.parse_args()
     heads, kv_heads, dim = (int(x) for x in a.heads.split(","))
@@ -194,17 +178,6 @@ def main() -> None:
                         split_other_warps_us=split_other,
                     )
                 )
-                if a.split_at_any_batch:
-                    any_bs, out_any = time_us(args, True, True, any_batch=True)
-                    torch.testing.assert_close(
-                        out_any, out_upstream, atol=2e-2, rtol=2e-2
-                    )
-                    rows[-1]["split_any_batch_us"] = any_bs
-                    print(
-                        f"      split prefix at any batch size {any_bs:.1f} us: "
-                        f"short / it {short / any_bs:.2f}x",
-                        flush=True,
-                    )
                 if a.fa3:
                     rows[-1].update(fa3_row(args, out_upstream))
                 print(

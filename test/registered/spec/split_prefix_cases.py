@@ -39,6 +39,16 @@ CASES = [
     Case("bs2_tree8_mha", (33, 64), (8, 8), 2, 2, 16, "tree"),
     Case("bs3_group3_causal_uneven", (40, 1, 97), (1, 4, 3), 6, 2, 16, "causal", 4),
     Case("bs2_scaled_kv", (50, 20), (4, 4), 4, 2, 16, "tree", 2, 0.5, 2.0),
+    # 20 x 16 heads: a batch the short tile took before the split applied at every size.
+    Case(
+        "bs20_large_batch_one_split",
+        tuple(range(3, 63, 3)),
+        (4,) * 20,
+        16,
+        4,
+        16,
+        "tree",
+    ),
 ]
 
 

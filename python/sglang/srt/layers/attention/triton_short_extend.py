@@ -13,7 +13,9 @@ the same up to the rounding of the dot products; small tiles run with 4 warps. I
 programs are many (a batch of requests times the heads): at bs 1 a lone program per head is
 bound by how fast it walks the prefix, which upstream's 8-warp tile does faster, so a launch
 of fewer than MIN_PROGRAMS (request, head) pairs keeps upstream's tile. The extend length must
-be a host int: a device tensor (read without a sync) keeps upstream's tile too.
+be a host int: a device tensor (read without a sync) keeps upstream's tile too. Plain attention
+whose rows fit one GQA tile goes to triton_split_prefix at every batch size; this tile serves
+the rest (a logit cap, sinks, a sliding window, extends wider than that tile).
 
 On by default; SGLANG_TRITON_SHORT_EXTEND_TILE=0 restores upstream's tile everywhere (for an
 A/B, or should a GPU's triton mis-compile the small tile).
