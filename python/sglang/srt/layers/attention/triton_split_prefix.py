@@ -121,8 +121,7 @@ def plan_split_prefix(
     is not plain (plain_extend), a length on the device, rows that do not fit one tile, or head
     dims that are not one power of two. Any batch size: where the short tile would take a large
     batch, the GQA tile still reads each K/V block once per KV head instead of once per query
-    head, 1.5-2.6x faster per layer on an H100 except at short prefixes with 32 draft rows,
-    where the two tie (docs/benchmarks.md)."""
+    head (docs/benchmarks.md, the GQA tile at every batch size)."""
     if (
         not _ENABLED
         or not plain
