@@ -26,6 +26,7 @@ import argparse
 import json
 
 import fa3_cascade
+import flashinfer_verify
 import torch
 import triton.testing
 
@@ -142,6 +143,22 @@ def fa3_row(args: dict, expected: torch.Tensor) -> dict:
     return row
 
 
+def flashinfer_row(args: dict, expected: torch.Tensor) -> dict:
+    """Microseconds per layer of FlashInfer's masked verify, its unmasked prefix pass and the
+    cascade, the two full ones checked against the triton verify's output `expected`."""
+    inputs = fa3_cascade.cascade_inputs(args)
+    verify = flashinfer_verify.flashinfer_verify(inputs, args["custom_mask"])
+    row = {}
+    for name, fn in (
+        ("flashinfer_us", verify.masked_pass),
+        ("flashinfer_cascade_us", verify.cascade),
+    ):
+        torch.testing.assert_close(fn(), expected, atol=2e-2, rtol=2e-2)
+        row[name] = time_graphed_us(fn)
+    row["flashinfer_prefix_pass_us"] = time_graphed_us(verify.prefix_pass)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch-sizes", default="1,16,48,64")
@@ -149,6 +166,9 @@ def main() -> None:
     p.add_argument("--prefix-lens", default="128,256,1024,4096")
     p.add_argument("--heads", default="32,8,128", help="query heads, kv heads, dim")
     p.add_argument("--fa3", action="store_true", help="also FA3's cascade verify")
+    p.add_argument(
+        "--flashinfer", action="store_true", help="also FlashInfer's masked verify"
+    )
     p.add_argument("--out")
     a = p.parse_args()
     heads, kv_heads, dim = (int(x) for x in a.heads.split(","))
@@ -180,6 +200,8 @@ def main() -> None:
                 )
                 if a.fa3:
                     rows[-1].update(fa3_row(args, out_upstream))
+                if a.flashinfer:
+                    rows[-1].update(flashinfer_row(args, out_upstream))
                 print(
                     f"{bs:>4} {prefix_len:>6} {draft_tokens:>5} {upstream:>12.1f} "
                     f"{short:>9.1f} {split:>9.1f} {split_other:>11.1f} "
@@ -199,6 +221,16 @@ def main() -> None:
                         f"(num_splits 1 {r['fa3_wide_table_num_splits_1_us']:.1f}); "
                         f"fa3 / split {r['fa3_us'] / split:.2f}x, fa3 with the triton "
                         f"expand / split {r['fa3_triton_expand_us'] / split:.2f}x",
+                        flush=True,
+                    )
+                if a.flashinfer:
+                    r = rows[-1]
+                    print(
+                        f"      flashinfer masked {r['flashinfer_us']:.1f} us (prefix pass "
+                        f"{r['flashinfer_prefix_pass_us']:.1f}; cascade with the triton "
+                        f"expand {r['flashinfer_cascade_us']:.1f}); flashinfer / split "
+                        f"{r['flashinfer_us'] / split:.2f}x, cascade / masked "
+                        f"{r['flashinfer_cascade_us'] / r['flashinfer_us']:.2f}x",
                         flush=True,
                     )
     if a.out:

@@ -1,8 +1,10 @@
-"""benchmark/spec/fa3_cascade.py: the inputs of FA3's cascade verify attend as the verify does.
+"""benchmark/spec/fa3_cascade.py and flashinfer_verify.py: the inputs of the FA3 and
+FlashInfer verifies the benchmark times attend as the verify does.
 
-The benchmark times FA3 kernels on these inputs on a GPU; here the cascade's three steps run in
-plain torch on the same inputs and must equal the plain-torch extend attention of the batch
-they were built from, for a chain and for a tree mask.
+The benchmark times FA3 and FlashInfer kernels on these inputs on a GPU; here the cascade's
+three steps, and FlashInfer's masked call, run in plain torch on the same inputs and must equal
+the plain-torch extend attention of the batch they were built from, for a chain and for a tree
+mask.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
 import bench_verify_attention  # noqa: E402
 import fa3_cascade  # noqa: E402
+import flashinfer_verify  # noqa: E402
 
 from sglang.srt.layers.attention.triton_split_prefix import (  # noqa: E402
     reference_extend_attention,
@@ -133,3 +136,50 @@ def test_the_triton_expand_variant_attends_as_the_verify_does(bs, prefix_len, pa
     torch.testing.assert_close(
         got.to(inputs.q.dtype), extend_reference(batch), atol=2e-2, rtol=2e-2
     )
+
+
+@pytest.mark.parametrize(
+    "bs,prefix_len,parents",
+    [(1, 7, [-1, 0, 1, 2]), (3, 5, [-1, 0, 0, 1, 1, 2]), (2, 1, [-1, 0])],
+)
+def test_the_masked_flashinfer_call_reads_what_the_verify_reads(
+    bs, prefix_len, parents
+):
+    """FlashInfer's masked verify reads each request's KV as masked_kv lays it out (its
+    prefix, then its draft tokens) under the batch's custom mask: attended in plain torch
+    over those slots, the rows equal the verify's."""
+    torch.manual_seed(bs)
+    batch = bench_verify_attention.verify_batch(
+        bs, prefix_len, len(parents), HEADS, KV_HEADS, DIM, dev="cpu"
+    )
+    batch = with_tree_mask(batch, parents)
+    inputs = fa3_cascade.cascade_inputs(batch)
+    kv = flashinfer_verify.masked_kv(inputs)
+
+    draft, width = len(parents), prefix_len + len(parents)
+    assert kv.kv_indptr.tolist() == list(range(0, bs * width + 1, width))
+    masks = batch["custom_mask"].view(bs, draft, width)
+    group = HEADS // KV_HEADS
+    rows = []
+    for b in range(bs):
+        slots = kv.kv_indices[b * width : (b + 1) * width].long()
+        keys = inputs.k_cache[slots, 0].float().repeat_interleave(group, dim=1)
+        values = inputs.v_cache[slots, 0].float().repeat_interleave(group, dim=1)
+        q = inputs.q[b * draft : (b + 1) * draft].float()
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * DIM**-0.5
+        scores = scores.masked_fill(~masks[b].unsqueeze(0), float("-inf"))
+        rows.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+    got = torch.cat(rows).to(inputs.q.dtype)
+    torch.testing.assert_close(got, extend_reference(batch), atol=2e-2, rtol=2e-2)
+
+
+def test_flashinfer_lse_converts_to_fa3s():
+    """FlashInfer's LSE is base 2 and [rows, heads]; fa3_tree_expand reads FA3's, natural log
+    and [heads, rows]."""
+    torch.manual_seed(0)
+    scores = torch.randn(5, 3, 11)  # [rows, heads, keys]
+    base2 = torch.log2(torch.exp2(scores * 1.4426950408889634).sum(-1))
+    natural = torch.logsumexp(scores, dim=-1)
+    converted = flashinfer_verify.fa3_lse(base2)
+    assert converted.shape == (3, 5)
+    torch.testing.assert_close(converted, natural.T)
