@@ -116,6 +116,35 @@ def test_modules_install_without_the_headers_and_nothing_is_refused(store, tmp_p
         stage.install(store, package, "0.6.11.post1")
 
 
+def test_modules_install_once_and_never_over_a_loaded_library(store, tmp_path):
+    """Every script of a device call sources gpu-env.sh, while engines of an earlier one run
+    with these libraries loaded: installing the same modules again leaves the files alone, and
+    new modules land by rename, so a process holding the old file keeps reading it (writing
+    over a loaded library killed three engines of a call with SIGSEGV)."""
+    module = tmp_path / "jit" / "norm"
+    module.mkdir(parents=True)
+    (module / "norm.so").write_bytes(b"first build")
+    stage.collect(store, [tmp_path / "jit"])
+    package = tmp_path / "host" / "flashinfer"
+    so = package / "data/aot/norm/norm.so"
+
+    assert stage.install(store, package, "0.6.11.post1") == ["norm"]
+    inode = so.stat().st_ino
+    with so.open("rb") as loaded:
+        assert stage.install(store, package, "0.6.11.post1") == ["norm"]
+        assert so.stat().st_ino == inode, "the same modules were written again"
+
+        (module / "norm.so").write_bytes(b"second build")
+        stage.collect(store, [tmp_path / "jit"])
+        stage.install(store, package, "0.6.11.post1")
+        assert so.read_bytes() == b"second build"
+        assert loaded.read() == b"first build", "the loaded file was written over"
+    assert sorted(p.name for p in (package / "data/aot").iterdir()) == [
+        stage.MODULES + ".installed",
+        "norm",
+    ]
+
+
 # What sglang's flashinfer backend loaded on an H100 for the toy pair and the Qwen3 + EAGLE3 pair
 # (head_dim 64), with the mission-command server (launch_server) adding cascade and sampling
 # (flashinfer_stage collect, 2026-11-25): prebuild must make exactly these.

@@ -118,8 +118,32 @@ def install(store: Path, package: Path, version: str) -> list[str]:
     if (store / MODULES).is_file():
         with tarfile.open(store / MODULES) as tar:
             installed = sorted({Path(n).parts[0] for n in tar.getnames()})
-            tar.extractall(package / "data" / "aot", filter="data")
+        _install_modules(store / MODULES, package / "data" / "aot")
     return installed
+
+
+def _install_modules(archive: Path, aot: Path) -> None:
+    """Put the archive's modules into FlashInfer's AOT folder, once per archive: every script
+    of a call sources gpu-env.sh, and engines started by an earlier one have these libraries
+    loaded. Extracting over a loaded library rewrites the file it mapped (the engine then
+    dies with SIGSEGV); each module lands under a temporary name and is renamed over the old
+    one, so a process that has it open keeps the file it opened."""
+    digest = _sha256(archive)
+    marker = aot / (MODULES + ".installed")
+    if marker.is_file() and marker.read_text() == digest:
+        return
+    aot.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=aot))
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(staging, filter="data")
+        for module in sorted(p for p in staging.rglob("*") if p.is_file()):
+            target = aot / module.relative_to(staging)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(module, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    marker.write_text(digest)
 
 
 def collect(out_dir: Path, module_roots: list[Path]) -> list[str]:
