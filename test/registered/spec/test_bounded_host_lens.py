@@ -137,8 +137,31 @@ def test_fa3_and_flashinfer_trees_take_bounds_by_default_flashinfer_chains_when_
         server(attention_backend="torch_native", **tree)
     )
     assert "page size 16" in bhl.server_refusal(
-        server(attention_backend="flashinfer", page_size=16, **tree)
+        server(attention_backend="fa3", page_size=16, **chain)
     )
+
+
+@pytest.mark.parametrize("backend", ["triton", "fa3", "flashinfer"])
+def test_trees_take_bounds_at_every_page_size_chains_at_page_size_1(
+    monkeypatch, backend
+):
+    """Spec v2 lays a tree round out flat at every page size and each backend reads it by
+    token slot or through pages of one token, so a paged tree takes bounds as at page size 1;
+    a paged chain reads FA3's page table of real pages and keeps exact lengths."""
+    monkeypatch.delenv(bhl.ENV, raising=False)
+    tree, chain = {"speculative_eagle_topk": 16}, {"speculative_eagle_topk": 1}
+    spec = dict(speculative_algorithm="EAGLE", disable_overlap_schedule=False)
+    for page_size in (1, 4, 16, 64):
+        paged_tree = server(attention_backend=backend, page_size=page_size, **tree)
+        assert bhl.server_refusal(paged_tree) is None, page_size
+        assert bhl.may_issue_bounds(
+            server(attention_backend=backend, page_size=page_size, **tree, **spec)
+        )
+    monkeypatch.setenv(bhl.ENV, "1")  # flashinfer chains asked for bounds
+    assert bhl.server_refusal(server(attention_backend=backend, **chain)) is None
+    assert bhl.server_refusal(
+        server(attention_backend=backend, page_size=16, **chain)
+    ) == ("page size 16 with a chain")
 
 
 def test_may_issue_bounds_only_for_spec_v2(monkeypatch, enabled):
@@ -214,7 +237,7 @@ def test_the_log_says_once_whether_the_switch_takes_effect(
         bhl.set_host_seq_lens(FakeBatch([5], [4]), 4, server())
     # A refusal is a warning only for a user who asked for bounds.
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (refusal_level, f"{bhl.KEEPS_EXACT_LENS}: page size 16"),
+        (refusal_level, f"{bhl.KEEPS_EXACT_LENS}: page size 16 with a chain"),
         (logging.INFO, bhl.BOUNDS_IN_USE),
     ]
 

@@ -17,8 +17,9 @@ schedule stream's later reads of them ordered after the verify.
 
 On by default (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=0 turns it off), and only where nothing reads
 the host lengths as exact: triton, FA3 or FlashInfer attention (target and draft; FlashInfer
-chains only where SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1 asks for it) with CUDA graphs at page
-size 1, no two-batch overlap, DP attention or pipeline stages; and per step, a batch the graphs
+chains only where SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1 asks for it) with CUDA graphs, at page
+size 1 or drafting trees (laid out flat at every page size), no two-batch overlap, DP attention
+or pipeline stages; and per step, a batch the graphs
 cover, with no logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never
 takes an eager path that builds per-request host lists from the lengths; the eager draft extend,
 which does, reads them from the device once bounds have been issued (exact_prefix_lens).
@@ -80,6 +81,10 @@ TREES_ONLY_BACKENDS = frozenset({"flashinfer"})
 _bounds_issued = False
 
 
+def _drafts_trees(server_args) -> bool:
+    return (getattr(server_args, "speculative_eagle_topk", None) or 1) > 1
+
+
 def server_refusal(server_args) -> Optional[str]:
     """Why this server's spec v2 decode must keep upstream's exact host lengths, or None."""
     # The prefill backend runs the target verify and the draft extend under sglang's hybrid
@@ -96,7 +101,7 @@ def server_refusal(server_args) -> Optional[str]:
             f"{', '.join(sorted(BOUNDS_BACKENDS))} take bounds"
         )
     trees_only = backends & TREES_ONLY_BACKENDS
-    if trees_only and (getattr(server_args, "speculative_eagle_topk", None) or 1) <= 1:
+    if trees_only and not _drafts_trees(server_args):
         if not requested_by_env():
             return (
                 f"attention backends {sorted(backends)}: {', '.join(sorted(trees_only))} "
@@ -106,8 +111,12 @@ def server_refusal(server_args) -> Optional[str]:
         return "no CUDA graphs: eager metadata reads the host lengths"
     if getattr(server_args, "disable_cuda_graph_padding", False):
         return "no CUDA-graph padding: batches between captured sizes run eager"
-    if server_args.page_size != 1:
-        return f"page size {server_args.page_size}"
+    if server_args.page_size != 1 and not _drafts_trees(server_args):
+        # Trees lay every round out flat and every backend reads them by token slot or
+        # through pages of one token (paged_tree_layout): bounds read what they read at page
+        # size 1. A chain with pages reads its KV through FA3's page table of real pages,
+        # which has not run with bounds.
+        return f"page size {server_args.page_size} with a chain"
     if getattr(server_args, "enable_two_batch_overlap", False):
         return "two-batch overlap splits the batch by host lengths"
     if server_args.enable_dp_attention:
