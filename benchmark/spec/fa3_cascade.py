@@ -182,6 +182,24 @@ def _fa3_pass(inputs: CascadeInputs, paged: PagedPass, **options):
     )
 
 
+def expand_and_merge_in_triton(
+    inputs: CascadeInputs, out: torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor:
+    """The draft rows attended and merged into a prefix pass's output `out` in place, in one
+    triton launch (fa3_tree_expand.attend_and_merge); lse: [heads, rows], natural log, as FA3
+    returns it."""
+    return fa3_tree_expand.attend_and_merge(
+        inputs.q,
+        inputs.k_cache,
+        inputs.v_cache,
+        inputs.expand.page_table,
+        inputs.expand.lens,
+        out,
+        lse,
+        inputs.q.shape[-1] ** -0.5,
+    )
+
+
 def run_cascade(
     inputs: CascadeInputs,
     *,
@@ -204,16 +222,7 @@ def run_cascade(
     if prefix_only:
         return out
     if triton_expand:
-        return fa3_tree_expand.attend_and_merge(
-            inputs.q,
-            inputs.k_cache,
-            inputs.v_cache,
-            inputs.expand.page_table,
-            inputs.expand.lens,
-            out,
-            lse,
-            inputs.q.shape[-1] ** -0.5,
-        )
+        return expand_and_merge_in_triton(inputs, out, lse)
     out_expand, lse_expand, *_ = _fa3_pass(inputs, inputs.expand, **options)
     merged, _ = merge_state_v2(
         out, lse.T.contiguous(), out_expand, lse_expand.T.contiguous()

@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from fa3_cascade import CascadeInputs, PagedPass
-
-from sglang.srt.layers.attention import fa3_tree_expand
+from fa3_cascade import CascadeInputs, PagedPass, expand_and_merge_in_triton
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -129,16 +127,7 @@ def flashinfer_verify(
 
     def cascade() -> torch.Tensor:
         out, lse = unmasked.run(inputs.q, cache, return_lse=True)
-        return fa3_tree_expand.attend_and_merge(
-            inputs.q,
-            inputs.k_cache,
-            inputs.v_cache,
-            inputs.expand.page_table,
-            inputs.expand.lens,
-            out,
-            fa3_lse(lse),
-            inputs.q.shape[-1] ** -0.5,
-        )
+        return expand_and_merge_in_triton(inputs, out, fa3_lse(lse))
 
     return FlashInferVerify(
         masked_pass=lambda: masked.run(inputs.q, cache),
