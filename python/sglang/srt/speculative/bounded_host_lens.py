@@ -19,10 +19,10 @@ On by default (SGLANG_SPEC_V2_BOUNDED_HOST_LENS=0 turns it off), and only where 
 the host lengths as exact: triton, FA3 or FlashInfer attention (target and draft; FlashInfer
 chains only where SGLANG_SPEC_V2_BOUNDED_HOST_LENS=1 asks for it) with CUDA graphs, at page
 size 1 or drafting trees (laid out flat at every page size), no two-batch overlap, DP attention
-or pipeline stages; and per step, a batch the graphs
-cover, with no logprobs, grammar, penalizers, multimodal inputs or mamba state. Such a batch never
-takes an eager path that builds per-request host lists from the lengths; the eager draft extend,
-which does, reads them from the device once bounds have been issued (exact_prefix_lens).
+or pipeline stages; and per step, a batch the graphs cover, with no logprobs, grammar,
+penalizers, multimodal inputs or mamba state. Such a batch never takes an eager path that
+builds per-request host lists from the lengths; the eager draft extend, which does, reads them
+from the device once bounds have been issued (exact_prefix_lens).
 """
 
 from __future__ import annotations
