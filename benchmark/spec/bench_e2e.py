@@ -415,8 +415,9 @@ def measure(
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
             batch = prompts(bs, vocab, seed=bs)
             before = scheduler_host.snapshot(schedulers)
-            best = eng.best_of(e, batch, max_new_tokens, repeats)
+            runs = eng.timed_runs(e, batch, max_new_tokens, repeats)
             usage = scheduler_host.snapshot(schedulers).since(before)
+            best = max(runs, key=lambda r: r.tok_per_s)
             # The same prompts to their first token only: prefill (the draft's too) and the
             # first sampled token, what every request pays once whatever its length. The
             # prompts are in the radix cache by now: the prefill extends a cached prefix.
@@ -426,6 +427,10 @@ def measure(
                     "config": name,
                     "bs": bs,
                     "tok_per_s": best.tok_per_s,
+                    # Every timed run of this engine, in order: a spread here is noise
+                    # within one engine, against the spread between engines
+                    # (tok_per_s_per_round).
+                    "tok_per_s_repeats": [r.tok_per_s for r in runs],
                     "decode_tok_per_s": decode_tok_per_s(best, first),
                     "first_token_ms": first.seconds * 1e3,
                     "accept_length": best.accept_length if spec else 1.0,
@@ -697,6 +702,10 @@ def main() -> None:
     print_policy_ratios(rows)
     print_spec_efficiency(rows)
     print_scheduler_use(rows)
+    spread = spread_lines(rows)
+    if spread:
+        print("tok/s spread over 10 % of the best (each run or engine, in order):")
+        print("\n".join(spread))
     for pair in filter(None, args.ratios.split(",")):
         num, den = pair.split("/")
         print_pair_ratios(rows, num, den, "tok_per_s", f"{num} / {den} tok/s")
@@ -752,6 +761,25 @@ def host_load_line(rows: list[dict], cpus: int) -> Optional[str]:
     return f"host load: over {cpus / 2:g} (half of {cpus} cores) while " + ", ".join(
         f"{config} ran ({load})" for config, load in busy.items()
     )
+
+
+def spread_lines(rows: list[dict], least: float = 0.10) -> list[str]:
+    """One line per cell whose runs spread by more than `least` of its best, within one
+    engine (its repeats) or between the engines of its rounds. A cell steady within its
+    engine and not across engines measured the engine, not the config."""
+    lines = []
+    for r in rows:
+        for where, key in (
+            ("runs", "tok_per_s_repeats"),
+            ("engines", "tok_per_s_per_round"),
+        ):
+            values = r.get(key) or []
+            if len(values) > 1 and min(values) < (1 - least) * max(values):
+                lines.append(
+                    f"  {r['config']} bs {r['bs']}, {where}: "
+                    + " / ".join(f"{v:.0f}" for v in values)
+                )
+    return lines
 
 
 def fixed_shape_rows(rows: list[dict], backend: str) -> Iterator[tuple[str, dict]]:

@@ -435,12 +435,19 @@ def engine_without_a_gpu(monkeypatch):
 
     monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
     monkeypatch.setattr(bench_e2e.eng, "engine", fake_engine)
+
+    def one_second_run(batch, n):
+        return eng.GreedyRun(
+            output_ids=[[0] * n] * len(batch), seconds=1.0, completion_tokens=n
+        )
+
     monkeypatch.setattr(
         bench_e2e.eng,
-        "best_of",
-        lambda e, batch, n, repeats: eng.GreedyRun(
-            output_ids=[[0] * n] * len(batch), seconds=1.0, completion_tokens=n
-        ),
+        "timed_runs",
+        lambda e, batch, n, repeats: [one_second_run(batch, n)] * repeats,
+    )
+    monkeypatch.setattr(
+        bench_e2e.eng, "best_of", lambda e, batch, n, repeats: one_second_run(batch, n)
     )
 
 
@@ -563,3 +570,50 @@ def test_skipping_the_warm_up_engine_starts_only_the_measured_ones(monkeypatch):
     monkeypatch.setattr(sys, "argv", argv)
     bench_e2e.main()
     assert started == ["warm-up", "none", "chain"]
+
+
+def test_spread_lines_name_cells_whose_runs_or_engines_disagree():
+    rows = [
+        # steady within its engine, 40 % apart between engines: the engine, not the config
+        {
+            "config": "tree@fa3:16",
+            "bs": 1,
+            "tok_per_s_repeats": [640.0, 648.0, 645.0],
+            "tok_per_s_per_round": [648.0, 1010.0],
+        },
+        # one slow run of three in one engine
+        {"config": "tree@fa3", "bs": 4, "tok_per_s_repeats": [3300.0, 2700.0, 3280.0]},
+        # within 10 %: nothing to say
+        {"config": "tree@fa3", "bs": 1, "tok_per_s_repeats": [950.0, 940.0, 957.0]},
+        # one engine, one run: nothing to compare
+        {"config": "none", "bs": 1, "tok_per_s_repeats": [592.0]},
+    ]
+
+    assert bench_e2e.spread_lines(rows) == [
+        "  tree@fa3:16 bs 1, engines: 648 / 1010",
+        "  tree@fa3 bs 4, runs: 3300 / 2700 / 3280",
+    ]
+
+
+def test_a_cell_records_every_timed_run_of_its_engine(monkeypatch):
+    runs = iter([5.0, 2.0, 4.0])  # seconds of the warm-up, then two timed runs
+
+    def generate(engine, prompts, max_new_tokens):
+        return eng.GreedyRun(
+            output_ids=[[0] * max_new_tokens], seconds=next(runs), completion_tokens=64
+        )
+
+    monkeypatch.setattr(eng, "generate", generate)
+
+    timed = eng.timed_runs(object(), [[1]], 64, repeats=2)
+
+    assert [r.tok_per_s for r in timed] == [
+        32.0,
+        16.0,
+    ]  # the warm-up left out, in order
+
+
+def test_each_row_keeps_its_engines_timed_runs(engine_without_a_gpu):
+    rows = bench_e2e.measure(Path("/t"), Path("/d"), "none", [1, 4], 8, 100, repeats=3)
+
+    assert [r["tok_per_s_repeats"] for r in rows] == [[8.0] * 3, [8.0] * 3]

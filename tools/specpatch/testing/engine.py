@@ -445,19 +445,24 @@ def arrivals_generate(
     return GreedyRun.of_outputs(outs, seconds)
 
 
-def best_of(
+def timed_runs(
     eng, prompts: list[list[int]], max_new_tokens: int, repeats: int
-) -> GreedyRun:
-    """The fastest of `repeats` timed runs, after one untimed run of the same length.
+) -> list[GreedyRun]:
+    """`repeats` timed runs in order, after one untimed run of the same length.
 
     The warm-up is full length: engines in a benchmark start one after another, and a short one
     would leave triton's JIT compiles inside the first engine's timed runs, flattering the later
     engines by more than the differences a benchmark compares."""
     generate(eng, prompts, max_new_tokens)
-    return max(
-        (generate(eng, prompts, max_new_tokens) for _ in range(repeats)),
-        key=lambda r: r.tok_per_s,
-    )
+    return [generate(eng, prompts, max_new_tokens) for _ in range(repeats)]
+
+
+def best_of(
+    eng, prompts: list[list[int]], max_new_tokens: int, repeats: int
+) -> GreedyRun:
+    """The fastest of timed_runs."""
+    runs = timed_runs(eng, prompts, max_new_tokens, repeats)
+    return max(runs, key=lambda r: r.tok_per_s)
 
 
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
