@@ -448,12 +448,14 @@ def measure(
 
 
 def scheduler_use(usage: scheduler_host.HostUsage) -> dict:
-    """A row's record of its scheduler processes over its timed runs: CPU seconds per second
-    and involuntary context switches per second (a loop that shares its core shows both).
+    """A row's record of its scheduler processes over its timed runs: CPU seconds per second,
+    involuntary context switches per second (a loop that shares its core shows both) and
+    voluntary ones (a loop that blocks on something shows those).
     """
     return {
         "scheduler_busy": round(usage.busy, 2),
         "scheduler_preempted_per_s": round(usage.preempted_per_s, 1),
+        "scheduler_waits_per_s": round(usage.waits_per_s),
     }
 
 
@@ -504,11 +506,15 @@ def print_scheduler_use(rows: list[dict]) -> None:
     config. A slower core at full use does not show here."""
     used = [r for r in rows if "scheduler_busy" in r]
     if used:
-        print("scheduler CPU seconds per second / involuntary switches per second:")
+        print(
+            "scheduler CPU seconds per second / involuntary switches per second"
+            " / voluntary switches per second:"
+        )
         for r in used:
             print(
                 f"  {r['config']} bs {r['bs']}: {r['scheduler_busy']:.2f} / "
-                f"{r['scheduler_preempted_per_s']:.1f}"
+                f"{r['scheduler_preempted_per_s']:.1f} / "
+                f"{r.get('scheduler_waits_per_s', '-')}"
             )
 
 

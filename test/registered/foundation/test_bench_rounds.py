@@ -473,10 +473,16 @@ def test_each_row_records_its_schedulers_cpu_use_over_its_timed_runs(
     # Totals read before and after each row's timed runs (not its first-token runs).
     totals = iter(
         [
-            scheduler_host.HostUsage(cpu_s=10.0, preemptions=5, wall_s=100.0),
-            scheduler_host.HostUsage(cpu_s=11.9, preemptions=25, wall_s=102.0),
-            scheduler_host.HostUsage(cpu_s=20.0, preemptions=30, wall_s=110.0),
-            scheduler_host.HostUsage(cpu_s=21.0, preemptions=30, wall_s=112.0),
+            scheduler_host.HostUsage(cpu_s=10.0, preemptions=5, wall_s=100.0, waits=7),
+            scheduler_host.HostUsage(
+                cpu_s=11.9, preemptions=25, wall_s=102.0, waits=17
+            ),
+            scheduler_host.HostUsage(
+                cpu_s=20.0, preemptions=30, wall_s=110.0, waits=100
+            ),
+            scheduler_host.HostUsage(
+                cpu_s=21.0, preemptions=30, wall_s=112.0, waits=3100
+            ),
         ]
     )
 
@@ -490,14 +496,19 @@ def test_each_row_records_its_schedulers_cpu_use_over_its_timed_runs(
     capsys.readouterr()
     bench_e2e.print_scheduler_use(rows)
 
-    assert [(r["scheduler_busy"], r["scheduler_preempted_per_s"]) for r in rows] == [
-        (0.95, 10.0),
-        (0.5, 0.0),
-    ]
+    assert [
+        (
+            r["scheduler_busy"],
+            r["scheduler_preempted_per_s"],
+            r["scheduler_waits_per_s"],
+        )
+        for r in rows
+    ] == [(0.95, 10.0, 5), (0.5, 0.0, 1500)]
     assert capsys.readouterr().out == (
-        "scheduler CPU seconds per second / involuntary switches per second:\n"
-        "  chain bs 1: 0.95 / 10.0\n"
-        "  chain bs 4: 0.50 / 0.0\n"
+        "scheduler CPU seconds per second / involuntary switches per second"
+        " / voluntary switches per second:\n"
+        "  chain bs 1: 0.95 / 10.0 / 5\n"
+        "  chain bs 4: 0.50 / 0.0 / 1500\n"
     )
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from specpatch.testing import scheduler_host
 
-# A child that sets a process title, then spins on the CPU or sleeps until killed.
+# A child that sets a process title, then spins on the CPU, blocks a thousand times a
+# second (naps) or sleeps until killed.
 CHILD = """
 import sys, time, setproctitle
 setproctitle.setproctitle(sys.argv[1])
@@ -20,6 +21,9 @@ print("ready", flush=True)
 if sys.argv[2] == "spin":
     while True:
         pass
+if sys.argv[2] == "naps":
+    while True:
+        time.sleep(0.001)
 time.sleep(60)
 """
 
@@ -67,6 +71,20 @@ def test_a_spinning_scheduler_is_busy_and_a_sleeping_one_is_not(spawn):
     assert spun.preemptions >= 0 and slept.preemptions >= 0
 
 
+def test_a_scheduler_that_blocks_often_counts_its_waits(spawn):
+    napping = spawn("sglang::scheduler_TP0", "naps")
+    spinning = spawn("sglang::scheduler_TP1", "spin")
+    before = [scheduler_host.snapshot([p]) for p in (napping, spinning)]
+    time.sleep(0.5)
+    napped, spun = (
+        scheduler_host.snapshot([p]).since(b)
+        for p, b in zip((napping, spinning), before)
+    )
+
+    assert napped.waits_per_s > 100  # about 1000 one-millisecond sleeps a second
+    assert spun.waits_per_s < napped.waits_per_s / 10
+
+
 def test_a_process_that_has_gone_counts_nothing(spawn):
     gone = spawn("sglang::scheduler_TP0", "sleep")
     gone.kill()
@@ -78,11 +96,11 @@ def test_a_process_that_has_gone_counts_nothing(spawn):
 
 
 def test_an_interval_is_the_difference_of_two_snapshots():
-    before = scheduler_host.HostUsage(cpu_s=3.0, preemptions=10, wall_s=100.0)
-    after = scheduler_host.HostUsage(cpu_s=4.5, preemptions=40, wall_s=102.0)
+    before = scheduler_host.HostUsage(cpu_s=3.0, preemptions=10, wall_s=100.0, waits=5)
+    after = scheduler_host.HostUsage(cpu_s=4.5, preemptions=40, wall_s=102.0, waits=805)
 
     usage = after.since(before)
 
-    assert (usage.busy, usage.preempted_per_s) == (0.75, 15.0)
+    assert (usage.busy, usage.preempted_per_s, usage.waits_per_s) == (0.75, 15.0, 400.0)
     empty = before.since(before)
-    assert (empty.busy, empty.preempted_per_s) == (0.0, 0.0)
+    assert (empty.busy, empty.preempted_per_s, empty.waits_per_s) == (0.0, 0.0, 0.0)

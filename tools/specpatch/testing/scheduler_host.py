@@ -40,19 +40,24 @@ def scheduler_processes(root: Optional[psutil.Process] = None) -> list[psutil.Pr
 
 @dataclass(frozen=True)
 class HostUsage:
-    """CPU seconds (user + system, every thread), involuntary context switches (as
-    /proc/PID/status counts them) and wall seconds, summed over scheduler processes: totals
-    from snapshot(), or one interval's from since()."""
+    """CPU seconds (user + system, every thread), involuntary and voluntary context
+    switches (as /proc/PID/status counts them) and wall seconds, summed over scheduler
+    processes: totals from snapshot(), or one interval's from since()."""
 
     cpu_s: float
     preemptions: int
     wall_s: float
+    # Voluntary switches: each time a thread blocked (a CUDA sync that sleeps rather than
+    # spins, a socket or lock wait). A scheduler busy under 1.0 with many of them waited on
+    # something; with few, it lost its core.
+    waits: int = 0
 
     def since(self, before: "HostUsage") -> "HostUsage":
         return HostUsage(
             cpu_s=self.cpu_s - before.cpu_s,
             preemptions=self.preemptions - before.preemptions,
             wall_s=self.wall_s - before.wall_s,
+            waits=self.waits - before.waits,
         )
 
     @property
@@ -65,10 +70,14 @@ class HostUsage:
     def preempted_per_s(self) -> float:
         return self.preemptions / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def waits_per_s(self) -> float:
+        return self.waits / self.wall_s if self.wall_s > 0 else 0.0
+
 
 def snapshot(procs: list[psutil.Process]) -> HostUsage:
     """The processes' totals now; a process that has gone counts nothing."""
-    cpu_s, preemptions = 0.0, 0
+    cpu_s, preemptions, waits = 0.0, 0, 0
     for proc in procs:
         try:
             times = proc.cpu_times()
@@ -77,4 +86,7 @@ def snapshot(procs: list[psutil.Process]) -> HostUsage:
             continue
         cpu_s += times.user + times.system
         preemptions += switches.involuntary
-    return HostUsage(cpu_s=cpu_s, preemptions=preemptions, wall_s=time.monotonic())
+        waits += switches.voluntary
+    return HostUsage(
+        cpu_s=cpu_s, preemptions=preemptions, wall_s=time.monotonic(), waits=waits
+    )
