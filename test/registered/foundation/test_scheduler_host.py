@@ -55,14 +55,20 @@ def test_only_processes_titled_as_sglangs_schedulers_are_found(spawn):
     assert [p.pid for p in scheduler_host.scheduler_processes()] == [scheduler.pid]
 
 
+def usage_over(
+    seconds: float, *procs: psutil.Process
+) -> list[scheduler_host.HostUsage]:
+    """Each process's usage over the next `seconds`."""
+    before = [scheduler_host.snapshot([p]) for p in procs]
+    time.sleep(seconds)
+    return [scheduler_host.snapshot([p]).since(b) for p, b in zip(procs, before)]
+
+
 def test_a_spinning_scheduler_is_busy_and_a_sleeping_one_is_not(spawn):
-    spinning = spawn("sglang::scheduler_TP0", "spin")
-    sleeping = spawn("sglang::scheduler_TP1", "sleep")
-    before = [scheduler_host.snapshot([p]) for p in (spinning, sleeping)]
-    time.sleep(0.5)
-    spun, slept = (
-        scheduler_host.snapshot([p]).since(b)
-        for p, b in zip((spinning, sleeping), before)
+    spun, slept = usage_over(
+        0.5,
+        spawn("sglang::scheduler_TP0", "spin"),
+        spawn("sglang::scheduler_TP1", "sleep"),
     )
 
     assert spun.wall_s == pytest.approx(0.5, abs=0.2)
@@ -72,13 +78,10 @@ def test_a_spinning_scheduler_is_busy_and_a_sleeping_one_is_not(spawn):
 
 
 def test_a_scheduler_that_blocks_often_counts_its_waits(spawn):
-    napping = spawn("sglang::scheduler_TP0", "naps")
-    spinning = spawn("sglang::scheduler_TP1", "spin")
-    before = [scheduler_host.snapshot([p]) for p in (napping, spinning)]
-    time.sleep(0.5)
-    napped, spun = (
-        scheduler_host.snapshot([p]).since(b)
-        for p, b in zip((napping, spinning), before)
+    napped, spun = usage_over(
+        0.5,
+        spawn("sglang::scheduler_TP0", "naps"),
+        spawn("sglang::scheduler_TP1", "spin"),
     )
 
     assert napped.waits_per_s > 100  # about 1000 one-millisecond sleeps a second
