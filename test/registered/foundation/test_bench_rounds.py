@@ -618,10 +618,8 @@ def test_a_cell_records_every_timed_run_of_its_engine(monkeypatch):
 
     timed = eng.timed_runs(object(), [[1]], 64, repeats=2)
 
-    assert [r.tok_per_s for r in timed] == [
-        32.0,
-        16.0,
-    ]  # the warm-up left out, in order
+    # the warm-up left out, the timed runs in order
+    assert [r.tok_per_s for r in timed] == [32.0, 16.0]
 
 
 def test_each_row_keeps_its_engines_timed_runs(engine_without_a_gpu):
