@@ -457,12 +457,16 @@ def timed_runs(
     return [generate(eng, prompts, max_new_tokens) for _ in range(repeats)]
 
 
+def fastest(runs: list[GreedyRun]) -> GreedyRun:
+    """The run with the most tokens per second."""
+    return max(runs, key=lambda r: r.tok_per_s)
+
+
 def best_of(
     eng, prompts: list[list[int]], max_new_tokens: int, repeats: int
 ) -> GreedyRun:
     """The fastest of timed_runs."""
-    runs = timed_runs(eng, prompts, max_new_tokens, repeats)
-    return max(runs, key=lambda r: r.tok_per_s)
+    return fastest(timed_runs(eng, prompts, max_new_tokens, repeats))
 
 
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
