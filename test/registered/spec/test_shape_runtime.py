@@ -396,6 +396,31 @@ def test_with_step_time_period_a_step_is_charged_from_the_end_of_the_one_before(
     assert costs.seconds(NARROW, 1) == pytest.approx(0.005)
 
 
+def test_with_step_time_period_a_prefills_result_processing_is_not_charged(tmp_path):
+    """The overlap scheduler reads a prefill's result after launching the first decode step
+    after it, so from that step's end to the next one's the device waits out the prefill's
+    result processing: the second decode step after a prefill is charged its span, the
+    third a period again."""
+    controller, _, clock, _ = make_controller(
+        tmp_path, force_switch_every=100, step_time="period"
+    )
+    charged = []
+    controller.policy.observe_step_time = lambda shape, bs, seconds: charged.append(
+        round(seconds, 6)
+    )
+    run_step(controller, clock, 1, 0.010)
+    controller.after_other_forward()  # a prefill launched
+    clock.now += 0.040
+    run_step(controller, clock, 1, 0.010)  # the first decode step after it
+    clock.now += 0.030  # the prefill's result processed while the device waits
+    run_step(controller, clock, 1, 0.010)
+    clock.now += 0.005  # the first decode step's result processed
+    run_step(controller, clock, 1, 0.010)
+    for _ in range(4):
+        controller.on_verify_complete([2])
+    assert charged == [0.010, 0.010, 0.010, 0.015]
+
+
 def test_by_default_a_step_is_charged_its_span(tmp_path):
     controller, _, clock, _ = make_controller(tmp_path, force_switch_every=2)
     assert controller.config.step_time == rt.SPAN

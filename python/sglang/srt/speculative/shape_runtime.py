@@ -59,7 +59,10 @@ POLICY_KEYS = frozenset(
 # How a measured decode step is timed on the device ("step_time"): SPAN from its first
 # launch to its last; PERIOD from the end of the decode step before it (same shape, no other
 # forward between) to its own end, so that host work between steps, during which the device
-# waits when the host is the bottleneck, is charged to the shape whose steps need it.
+# waits when the host is the bottleneck, is charged to the shape whose steps need it. The
+# overlap scheduler reads a forward's result after launching the next batch, so the first
+# decode step after a prefill is followed by the prefill's result processing: a period does
+# not start at that step's end.
 SPAN, PERIOD = "span", "period"
 
 
@@ -541,6 +544,8 @@ class ShapeController:
         self._decode_steps = 0
         # The end mark and shape of the last decode step, while a PERIOD can start there.
         self._last_end: Optional[tuple[Shape, object]] = None
+        # Whether the next decode step is the first since a forward of another kind.
+        self._first_after_other = False
 
     @property
     def active(self) -> Shape:
@@ -611,13 +616,16 @@ class ShapeController:
         if self._clock is not None and self._pending:
             launch = self._pending[-1]
             launch.end = self._clock.mark()
-            if self.config.step_time == PERIOD:
+            if self.config.step_time == PERIOD and not self._first_after_other:
                 self._last_end = (launch.shape, launch.end)
+        self._first_after_other = False
 
     def after_other_forward(self) -> None:
         """A forward that is not a decode step (a prefill, an extend) has launched: the next
-        decode step's period would hold it."""
+        decode step's period would hold it, and the one after that its result processing.
+        """
         self._last_end = None
+        self._first_after_other = True
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int]) -> None:
         if not self._pending:
