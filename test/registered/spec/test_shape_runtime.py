@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang.srt.speculative import shape_runtime as rt
-from sglang.srt.speculative.shape_policy import Shape
+from sglang.srt.speculative.shape_policy import GUESS_DRAWS, Shape
 
 WIDE = Shape(16, 3, 32)
 NARROW = Shape(4, 3, 8)
@@ -77,6 +77,23 @@ def test_bad_configs_are_refused_naming_the_flag(tmp_path, raw, match):
     with pytest.raises(ValueError, match="--speculative-adaptive-config") as err:
         rt.read_shape_policy(write_config(tmp_path, **raw))
     assert match in str(err.value)
+
+
+def test_every_policy_knob_is_read_from_the_config(tmp_path):
+    """Each PolicyConfig field is a config key (docs/shape-policy.md lists them)."""
+    knobs = {
+        "margin": 0.1,
+        "decisive_margin": 0.5,
+        "patience": 3,
+        "probe_interval": 100,
+        "probe_steps": 2,
+        "ema_alpha": 0.5,
+        "accept_horizon": 16,
+    }
+    config = rt.read_shape_policy(
+        write_config(tmp_path, shapes=["16,3,32", "1,3,4"], **knobs)
+    )
+    assert {k: getattr(config.policy, k) for k in knobs} == knobs
 
 
 def test_unreadable_or_broken_config_files_are_refused(tmp_path):
@@ -324,7 +341,8 @@ def test_results_feed_the_shape_that_launched_them(tmp_path):
     assert controller.before_decode(2) == NARROW
     controller.on_verify_complete([2, 2])  # WIDE's step: 3 tokens per request
     assert policy.accept_length[NARROW] == before[NARROW]
-    a = policy.config.ema_alpha
+    # Two draws against the initial guess's GUESS_DRAWS: their mean.
+    a = 2 / (GUESS_DRAWS + 2)
     assert policy.accept_length[WIDE] == pytest.approx((1 - a) * before[WIDE] + a * 3)
     controller.on_verify_complete([0, 1])  # NARROW's step
     assert policy.accept_length[NARROW] == pytest.approx(

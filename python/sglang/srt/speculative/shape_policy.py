@@ -8,8 +8,9 @@ batch size:
 
     score(shape, bs) = accept_length(shape) / step_seconds(shape, bs)
 
-accept_length is an EMA per shape of the tokens a step commits per request (the shape's own
-steps; 1 for no speculation); step_seconds a table per shape over batch sizes (measured at
+accept_length is an EMA per shape of the tokens a request commits in a step (over the
+shape's own request-steps, so a step weighs as many draws as it has requests; 1 for no
+speculation); step_seconds a table per shape over batch sizes (measured at
 start-up, refreshed by the steps that run). Keeping the two apart lets a shape measured at one
 batch size be chosen at another. A switch needs the challenger to beat the running shape by a
 margin for `patience` decisions in a row, or by a decisive margin once; a shape idle for
@@ -80,8 +81,13 @@ class PolicyConfig:
     # A shape idle for this many steps is probed for probe_steps steps.
     probe_interval: int = 512
     probe_steps: int = 8
-    # Weight of the newest step in the accept-length and step-time EMAs.
+    # Weight of the newest step in the step-time EMA.
     ema_alpha: float = 0.2
+    # Request-steps the accept-length estimate averages over. A step of n requests counts as
+    # n draws: one request's accept length ranges over 1 .. num_steps + 1, so a per-step
+    # weight would let a batch of one swing the estimate by far more than the margin, and the
+    # policy would leave the best shape on a run of short draws.
+    accept_horizon: int = 64
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, object], check_shape=None) -> "PolicyConfig":
@@ -110,6 +116,7 @@ class PolicyConfig:
             ("margin", 0.0),
             ("decisive_margin", 0.0),
             ("ema_alpha", 0.0),
+            ("accept_horizon", 1),
             ("patience", 1),
             ("probe_interval", 1),
             ("probe_steps", 1),
@@ -290,6 +297,10 @@ class ShapeCounters:
     probes: int = 0
 
 
+# How many request-steps the initial accept-length guess weighs as.
+GUESS_DRAWS = 8
+
+
 class ShapePolicy:
     def __init__(
         self,
@@ -313,6 +324,12 @@ class ShapePolicy:
             s: 1.0 if not s.speculates else given.get(s, s.num_steps + 1.0)
             for s in config.shapes
         }
+        # Draws behind each shape's accept length (up to accept_horizon), the initial guess
+        # counting as GUESS_DRAWS: until a shape has horizon draws its estimate is their plain
+        # mean. One request's draw ranges over 1 .. num_steps + 1, so a guess replaced by the
+        # first draw could price a shape at accept length 1 after a single step and never
+        # run it again.
+        self._accept_draws = {s: GUESS_DRAWS for s in config.shapes}
         self.counters = ShapeCounters()
         self._step = 0
         self._last_run = {s: 0 for s in config.shapes}
@@ -360,8 +377,17 @@ class ShapePolicy:
         """Feed the tokens each request committed in a step of `shape` (drafts + bonus)."""
         if not accept_lengths or not shape.speculates:
             return
-        mean = sum(accept_lengths) / len(accept_lengths)
-        a = self.config.ema_alpha
+        n = len(accept_lengths)
+        mean = sum(accept_lengths) / n
+        horizon = self.config.accept_horizon
+        seen = self._accept_draws[shape]
+        # An EMA over draws, each weighing 1 / horizon: the step's n draws weigh
+        # 1 - (1 - 1 / horizon) ** n together; while fewer than horizon have been seen, the
+        # plain mean of all of them (n / (seen + n)) where that weighs more.
+        a = 1 - (1 - 1 / horizon) ** n
+        if seen < horizon:
+            a = max(a, n / (seen + n))
+        self._accept_draws[shape] = min(seen + n, horizon)
         self.accept_length[shape] = (1 - a) * self.accept_length[shape] + a * mean
 
     def observe_step_time(self, shape: Shape, bs: int, seconds: float) -> None:
@@ -382,8 +408,11 @@ class ShapePolicy:
         return max(contenders, key=lambda s: (self.score(s, bs), s), default=None)
 
     def _stale_contender(self, bs: int) -> Optional[Shape]:
-        """An idle shape whose stale score is within the margin of the running one."""
-        floor = self.score(self.current, bs) / (1 + self.config.margin)
+        """An idle shape whose stale score is within decisive_margin of the running one. A
+        stale accept length can be off by more than the margin (the shape was left on a few
+        short draws, or never ran long): probing only near ties would leave such a shape
+        behind for good, while a probe costs probe_steps steps in probe_interval."""
+        floor = self.score(self.current, bs) / (1 + self.config.decisive_margin)
         stale = [
             s
             for s in self.config.shapes

@@ -46,10 +46,12 @@ POLICY_KEYS = frozenset(
     {
         "shapes",
         "margin",
+        "decisive_margin",
         "patience",
         "probe_interval",
         "probe_steps",
         "ema_alpha",
+        "accept_horizon",
         "force_switch_every",
         "step_costs",
         "step_time",
