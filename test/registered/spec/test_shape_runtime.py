@@ -4,6 +4,7 @@ the per-step switch, with a fake worker (docs/shape-policy.md)."""
 from __future__ import annotations
 
 import json
+import random
 import re
 from dataclasses import replace
 from types import SimpleNamespace
@@ -645,11 +646,26 @@ def run_trace(choose, tokens_per_request=600):
     return by_bs
 
 
-def test_the_policy_tracks_the_best_shape_over_a_ramping_load(tmp_path):
+def random_drafts(seed):
+    """Accepted drafts per request drawn as Binomial(3, p) with mean TRUE_ACCEPT - 1: one
+    request's accept length is a draw of 1 .. 4, as a real step's is."""
+    rng = random.Random(seed)
+
+    def drafts(shape, bs, step):
+        p = (TRUE_ACCEPT[shape] - 1) / 3
+        return [sum(rng.random() < p for _ in range(3)) for _ in range(bs)]
+
+    return drafts
+
+
+@pytest.mark.parametrize("seed", [None, *range(10)])
+def test_the_policy_tracks_the_best_shape_over_a_ramping_load(tmp_path, seed):
     """From the prior alone, measuring as it goes: within 5 % of the best fixed shape at each
-    batch size, and more tokens per second over the whole load than any fixed shape."""
+    batch size, and more tokens per second over the whole load than any fixed shape; with
+    accept lengths at their means every step (seed None) or drawn per request."""
     controller, _, clock, _ = make_controller(tmp_path)
     pending, steps = [], []
+    drafts = correct_drafts if seed is None else random_drafts(seed)
 
     def choose(bs):
         shape = controller.before_decode(bs)
@@ -658,7 +674,7 @@ def test_the_policy_tracks_the_best_shape_over_a_ramping_load(tmp_path):
         # The overlap scheduler reads a step's result after launching the next one.
         if pending:
             controller.on_verify_complete(pending.pop())
-        pending.append(correct_drafts(shape, bs, len(steps)))
+        pending.append(drafts(shape, bs, len(steps)))
         steps.append(shape)
         return shape
 
