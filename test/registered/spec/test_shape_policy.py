@@ -132,7 +132,12 @@ def test_step_costs_interpolate_and_follow_the_prior_past_the_ends():
     assert table.seconds(WIDE, 64) == pytest.approx(20.0e-3 * grown)
     table.observe(WIDE, 48, 30.0e-3)  # a measured step moves its point halfway
     assert table.seconds(WIDE, 48) == pytest.approx(25.0e-3)
-    table.observe(WIDE, 40, 30.0e-3)  # a new point: set, not averaged
+    # A first step at a new size is only an upper bound: the points around it price it lower.
+    table.observe(WIDE, 40, 30.0e-3)
+    assert table.seconds(WIDE, 40) == pytest.approx(20.75e-3)
+    table.observe(
+        WIDE, 40, 30.0e-3
+    )  # the second step there sets the point, not averaged
     assert table.seconds(WIDE, 40) == 30.0e-3
     assert table.seconds(WIDE, 44) == pytest.approx(27.5e-3)
 
@@ -197,6 +202,7 @@ def test_a_one_off_at_a_batch_size_never_run_again_is_dropped_by_warm_steps_else
     table.observe(NARROW, 1, 6.0e-3)
     dearer = 3.0 * 6.0e-3 / prior_step_cost(NARROW, 1) * prior_step_cost(NARROW, 16)
     table.observe(NARROW, 16, dearer)
+    table.observe(NARROW, 16, dearer)
     table.observe(NARROW, 1, 6.0e-3)
     assert table.seconds(NARROW, 16) == pytest.approx(dearer)
 
@@ -249,6 +255,76 @@ def test_a_first_step_under_the_one_off_ratio_is_replaced_by_the_next():
     given = StepCostTable({NARROW: {1: 9.0e-3}}, ema_alpha=0.2)
     given.observe(NARROW, 1, 8.0e-3)
     assert given.seconds(NARROW, 1) == pytest.approx(0.8 * 9.0e-3 + 0.2 * 8.0e-3)
+
+
+def host_bound_table_after_a_growing_batch() -> StepCostTable:
+    """A 1.21B policy trace (build cd637d58, H200, the policy engine run first): device
+    seconds of the chain and the narrow tree on a batch growing 1 -> 48. Each shape's first
+    step at a size was slow (the narrow tree 7.85 ms at bs 16 and 8.6 ms at bs 48, about 3.0
+    and 4.2 warm); the chain's at bs 16 (5.0 ms) was its only one there, as the batch moved on
+    and the policy with it. Host-bound: a warm step grows far less with the batch than the
+    prior's verify term says (the chain 2.54 ms at bs 16, 2.78 at bs 48 in the other engine).
+    """
+    table = StepCostTable({}, ema_alpha=0.2)
+    for shape, bs, seconds in (
+        (CHAIN, 1, 2.7e-3),
+        (CHAIN, 1, 2.7e-3),
+        (CHAIN, 4, 2.4e-3),
+        (CHAIN, 4, 2.4e-3),
+        (NARROW, 4, 2.85e-3),
+        (NARROW, 4, 2.85e-3),
+        (CHAIN, 7, 3.1e-3),
+        (CHAIN, 7, 3.1e-3),
+        (NARROW, 16, 7.85e-3),
+        (NARROW, 16, 3.0e-3),
+        (CHAIN, 16, 5.0e-3),
+        (NARROW, 48, 8.6e-3),
+        (NARROW, 48, 4.2e-3),
+    ):
+        table.observe(shape, bs, seconds)
+    return table
+
+
+def test_a_first_step_at_a_size_prices_the_shape_no_dearer_than_its_warm_points():
+    """Trusted, the chain's one step at bs 16 priced it at 5.0 ms there and, extrapolated by
+    the prior, 7.2 ms at bs 48, against the narrow tree's measured 4.2: the chain never ran at
+    bs 16-64 again, and the engine ran the narrow tree below no speculation. A first step is
+    an upper bound: the chain's warm points, grown as the narrow tree's measured steps grew,
+    price it lower."""
+    table = host_bound_table_after_a_growing_batch()
+    assert table.seconds(CHAIN, 16) < 3.2e-3
+    # At bs 48: from the chain's bs-7 point (3.1 ms), by the prior's growth (x1.63) times
+    # the narrow tree's growth against its prior between bs 7 and 48 (x0.68).
+    grown = prior_step_cost(CHAIN, 48) / prior_step_cost(CHAIN, 7)
+    narrow_unit = {
+        bs: seconds / prior_step_cost(NARROW, bs)
+        for bs, seconds in ((7, 2.85e-3 + 0.15e-3 * 3 / 12), (48, 4.2e-3))
+    }
+    drift = narrow_unit[48] / narrow_unit[7]
+    assert drift < 0.7
+    assert table.seconds(CHAIN, 48) == pytest.approx(3.1e-3 * grown * drift)
+    # The narrow tree's own points are confirmed: priced as measured.
+    assert table.seconds(NARROW, 16) == 3.0e-3
+    assert table.seconds(NARROW, 48) == 4.2e-3
+    # A shape's only points being first steps, they are all it has.
+    table.observe(WIDE, 48, 20.0e-3)
+    assert table.seconds(WIDE, 48) == 20.0e-3
+
+
+def test_the_policy_tries_the_chain_on_a_batch_that_grew_past_its_warm_points():
+    """The same trace through the policy, running the narrow tree at bs 48 (accept lengths
+    2.9 and 2.55): the chain scores ahead by more than the margin and takes over after
+    patience, where the trusted first step kept the narrow tree for good."""
+    cfg = PolicyConfig(shapes=(WIDE, NARROW, CHAIN, NONE))
+    policy = ShapePolicy(
+        cfg,
+        host_bound_table_after_a_growing_batch(),
+        NARROW,
+        initial_accept_lengths={WIDE: 3.3, NARROW: 2.9, CHAIN: 2.55},
+    )
+    assert policy.score(CHAIN, 48) > (1 + cfg.margin) * policy.score(NARROW, 48)
+    shapes = run(policy, 48, 12)
+    assert shapes == [NARROW] * (cfg.patience - 1) + [CHAIN] * (13 - cfg.patience)
 
 
 def test_the_policy_keeps_a_shape_whose_first_steps_compiled_in_contention():

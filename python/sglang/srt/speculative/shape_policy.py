@@ -154,10 +154,12 @@ class StepCostTable:
     """step_seconds(shape, bs) from measured (or given) points.
 
     Between two points of a shape: linear. Past a shape's points: its nearest point, scaled by
-    how the prior grows from there. A shape with no point yet: the prior, scaled by how far
-    the measured points are from it (their median). So a shape or batch size not measured yet
-    is compared in the units of those that were, and nothing looks cheap merely for not having
-    run; the next measured step replaces the guess.
+    how the prior grows from there, corrected by how the other shapes measured at both batch
+    sizes grew against their prior (on a host-bound target a step barely grows with the batch,
+    far less than the prior's verify term says). A shape with no point yet: the prior, scaled
+    by how far the measured points are from it (their median). So a shape or batch size not
+    measured yet is compared in the units of those that were, and nothing looks cheap merely
+    for not having run; the next measured step replaces the guess.
 
     A step far slower than the table expects is a one-off, not what the shape costs: the first
     step of a shape or of a new batch size compiles kernels, replays a CUDA graph for the first
@@ -171,7 +173,12 @@ class StepCostTable:
     only point of a batch size is otherwise never run there again to be corrected. A point set
     by a shape's first step at a batch size is provisional: a one-off can stay under
     ONE_OFF_RATIO (the first replay of a CUDA graph took 3.4x a warm step), and the next step
-    there replaces it instead of moving it by the EMA.
+    there replaces it instead of moving it by the EMA. Until then it is an upper bound, not an
+    estimate: where the shape's other points price that batch size lower, they do. A shape is
+    often left on its first step at a size (the batch grew past it), and a one-off trusted
+    there would price the shape dear at that size, and at every size extrapolated from it,
+    for as long as it does not run there again, which its price then prevents; a price that
+    is too low instead runs the shape, and its steps correct it.
     """
 
     # How many times the expected seconds a step may take and still be believed.
@@ -197,7 +204,12 @@ class StepCostTable:
         # the first there.
         self._ran: set[tuple[Shape, int]] = set()
         # Points set by the shape's first step at that batch size.
-        self._provisional: set[tuple[Shape, int]] = set()
+        self._provisional: dict[Shape, set[int]] = {}
+        # Each shape's points that are not provisional, sorted by batch size.
+        self._confirmed: dict[Shape, dict[int, float]] = {}
+        # seconds() since the table last changed: the policy asks for the same few pairs
+        # several times a step, on the scheduler's thread.
+        self._memo: dict[tuple[Shape, int], float] = {}
         for shape, by_bs in points.items():
             if not by_bs or min(by_bs.values()) <= 0:
                 raise ValueError(f"step costs of {shape.label} must be positive")
@@ -205,22 +217,49 @@ class StepCostTable:
             for bs, seconds in sorted(by_bs.items()):
                 self._set(shape, bs, seconds)
                 self._ran.add((shape, bs))
+            self._confirmed[shape] = dict(self._points[shape])
 
     def seconds(self, shape: Shape, bs: int) -> float:
-        by_bs = self._points.get(shape, {})
+        seconds = self._memo.get((shape, bs))
+        if seconds is None:
+            by_bs = self._points.get(shape, {})
+            seconds = self._from_points(shape, bs, by_bs)
+            confirmed = self._confirmed.get(shape)
+            if confirmed and len(confirmed) < len(by_bs):
+                seconds = min(seconds, self._from_points(shape, bs, confirmed))
+            self._memo[(shape, bs)] = seconds
+        return seconds
+
+    def _from_points(self, shape: Shape, bs: int, by_bs: Mapping[int, float]) -> float:
+        """The shape's seconds at bs from by_bs (its points, sorted by batch size)."""
         if bs in by_bs:
             return by_bs[bs]
         sizes = list(by_bs)
         i = bisect.bisect_left(sizes, bs)
-        lo = sizes[i - 1] if i > 0 else None
-        hi = sizes[i] if i < len(sizes) else None
-        if lo is not None and hi is not None:
-            w = (bs - lo) / (hi - lo)
-            return (1 - w) * by_bs[lo] + w * by_bs[hi]
-        anchor = lo if lo is not None else hi
-        if anchor is not None:
-            return by_bs[anchor] * self._prior(shape, bs) / self._prior(shape, anchor)
+        if 0 < i < len(sizes):
+            return _interpolate(by_bs, bs)
+        if sizes:
+            anchor = sizes[i - 1] if i > 0 else sizes[0]
+            grown = self._prior(shape, bs) / self._prior(shape, anchor)
+            return by_bs[anchor] * grown * self._drift(shape, anchor, bs)
         return self._prior(shape, bs) * (self._unit() or 1.0)
+
+    def _drift(self, shape: Shape, anchor: int, bs: int) -> float:
+        """How far the prior's growth from anchor to bs is off, by the other shapes whose
+        confirmed points span both sizes: the median of their seconds per prior unit at bs
+        over that at anchor (1 when none spans them)."""
+        low, high = min(anchor, bs), max(anchor, bs)
+        ratios = []
+        for other, points in self._confirmed.items():
+            if other == shape or not points:
+                continue
+            sizes = list(points)
+            if sizes[0] > low or sizes[-1] < high:
+                continue
+            unit_at_bs = _interpolate(points, bs) / self._prior(other, bs)
+            unit_at_anchor = _interpolate(points, anchor) / self._prior(other, anchor)
+            ratios.append(unit_at_bs / unit_at_anchor)
+        return statistics.median(ratios) if ratios else 1.0
 
     def observe(self, shape: Shape, bs: int, seconds: float) -> None:
         """A measured step: the point at bs moves towards it (is set by the first, and
@@ -248,18 +287,25 @@ class StepCostTable:
         replace = (
             point is None
             or slow
-            or (shape, bs) in self._provisional
+            or bs in self._provisional.get(shape, ())
             or seconds * self.ONE_OFF_RATIO < point
         )
         if not replace:
             a = self._ema_alpha
             seconds = (1 - a) * point + a * seconds
         self._set(shape, bs, seconds)
+        confirmed = self._confirmed.setdefault(shape, {})
         if first_at_bs:
-            self._provisional.add((shape, bs))
+            self._provisional.setdefault(shape, set()).add(bs)
+            confirmed.pop(bs, None)
         else:
-            self._provisional.discard((shape, bs))
+            self._provisional.get(shape, set()).discard(bs)
+            new = bs not in confirmed
+            confirmed[bs] = seconds
+            if new:  # kept in order, as the points are
+                self._confirmed[shape] = dict(sorted(confirmed.items()))
         self._drop_one_offs(shape, bs)
+        self._memo.clear()
 
     def _set(self, shape: Shape, bs: int, seconds: float) -> None:
         by_bs = self._points[shape]
@@ -277,6 +323,7 @@ class StepCostTable:
         by_bs = self._points[shape]
         for other in [b for b in by_bs if self._units[(shape, b)] > ceiling]:
             del by_bs[other]
+            self._confirmed[shape].pop(other, None)
             del self._units[(shape, other)]
             self._seconds_per_unit = None
 
@@ -285,6 +332,17 @@ class StepCostTable:
         if self._seconds_per_unit is None and self._units:
             self._seconds_per_unit = statistics.median(self._units.values())
         return self._seconds_per_unit
+
+
+def _interpolate(by_bs: Mapping[int, float], bs: int) -> float:
+    """Linear between the points (sorted by batch size) around bs, which they must span."""
+    if bs in by_bs:
+        return by_bs[bs]
+    sizes = list(by_bs)
+    i = bisect.bisect_left(sizes, bs)
+    lo, hi = sizes[i - 1], sizes[i]
+    w = (bs - lo) / (hi - lo)
+    return (1 - w) * by_bs[lo] + w * by_bs[hi]
 
 
 @dataclass
