@@ -135,9 +135,8 @@ def test_step_costs_interpolate_and_follow_the_prior_past_the_ends():
     # A first step at a new size is only an upper bound: the points around it price it lower.
     table.observe(WIDE, 40, 30.0e-3)
     assert table.seconds(WIDE, 40) == pytest.approx(20.75e-3)
-    table.observe(
-        WIDE, 40, 30.0e-3
-    )  # the second step there sets the point, not averaged
+    # The second step there sets the point, not averaged.
+    table.observe(WIDE, 40, 30.0e-3)
     assert table.seconds(WIDE, 40) == 30.0e-3
     assert table.seconds(WIDE, 44) == pytest.approx(27.5e-3)
 
