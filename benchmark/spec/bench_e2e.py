@@ -35,7 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from specpatch.gpu_host import vcpu_speed  # noqa: E402
 from specpatch.testing import engine as eng  # noqa: E402
 from specpatch.testing import scheduler_host, synth  # noqa: E402
 
@@ -110,6 +113,8 @@ POLICY_TRACE: list[Optional[str]] = [None]
 # Prompt lengths, drawn uniformly per request (--prompt-len): the verify's prefix is a prompt
 # plus what the request has generated so far.
 PROMPT_LEN = [8, 64]
+# The CPUs this benchmark may use (its taskset), before --pin-scheduler moves anything.
+HOST_CPUS = sorted(os.sched_getaffinity(0))
 # sglang's log level in the engines (--engine-log-level): "info" logs how long each start-up
 # phase took (weights, each CUDA-graph capture).
 ENGINE_LOG_LEVEL = ["warning"]
@@ -374,11 +379,16 @@ def measure(
     attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"],
     mixed: Optional[MixedLoad] = None,
     successor: Optional[list[int]] = None,
+    pin_scheduler: str = "none",
+    freeze_gc: bool = False,
 ) -> list[dict]:
     config, _, _ = split_config(name, attention_backend)
     spec, env = CONFIGS[config]
     rows = []
     kwargs = engine_settings(target, draft, name, batch_sizes, attention_backend, mixed)
+    # Each CPU's speed before this engine's processes take one: a host-bound engine runs at
+    # the speed of the CPU its scheduler lands on (specpatch.gpu_host.vcpu_speed).
+    speeds = vcpu_speed.speed_map(HOST_CPUS)
     started = time.perf_counter()
     with scoped_env(env), eng.engine(**kwargs) as e:
         # How many engines a device call holds is set by start-up (weights, graph captures),
@@ -386,6 +396,11 @@ def measure(
         start_s = round(time.perf_counter() - started, 1)
         print(f"{name}: engine started in {start_s:.0f} s", flush=True)
         schedulers = scheduler_host.scheduler_processes()
+        place_schedulers(schedulers, scheduler_cpu(pin_scheduler, speeds))
+        if freeze_gc:
+            # sglang's freeze_gc: the objects of start-up (an engine with more CUDA graphs
+            # holds more) leave the collector's scans.
+            e.freeze_gc()
         loads = [os.getloadavg()[0]]
         if mixed is not None:
             ramp = prompts(mixed.total_requests, vocab, seed=99)
@@ -409,6 +424,7 @@ def measure(
                     "accept_length": run.accept_length if spec else 1.0,
                     "diverged": diverged_requests(run, ramp, successor, tokens),
                     **scheduler_use(usage),
+                    **scheduler_placement(schedulers, speeds),
                 }
             )
         for bs in batch_sizes:
@@ -438,12 +454,16 @@ def measure(
                         best, batch, successor, max_new_tokens
                     ),
                     **scheduler_use(usage),
+                    **scheduler_placement(schedulers, speeds),
                 }
             )
         loads.append(os.getloadavg()[0])
+    if pin_scheduler != "none":  # the next engine's map and processes: every CPU again
+        scheduler_host.move([psutil.Process()], set(HOST_CPUS))
     for r in rows:
         r["host_load"] = round(max(loads), 1)
         r["engine_start_s"] = start_s
+        r["gc_frozen"] = freeze_gc
     return rows
 
 
@@ -456,6 +476,40 @@ def scheduler_use(usage: scheduler_host.HostUsage) -> dict:
         "scheduler_busy": round(usage.busy, 2),
         "scheduler_preempted_per_s": round(usage.preempted_per_s, 1),
         "scheduler_waits_per_s": round(usage.waits_per_s),
+    }
+
+
+def scheduler_cpu(pin: str, speeds: dict[int, float]) -> Optional[int]:
+    """The CPU --pin-scheduler asks for: None for "none", the fastest CPU of `speeds` for
+    "fastest", else the CPU it names."""
+    if pin == "none":
+        return None
+    if pin == "fastest":
+        return max(speeds, key=lambda cpu: (speeds[cpu], -cpu))
+    return int(pin)
+
+
+def place_schedulers(schedulers: list, cpu: Optional[int]) -> None:
+    """An engine's scheduler processes on `cpu` alone and the rest of this process tree
+    (this process, the detokenizer) on the other CPUs of HOST_CPUS; nothing for None."""
+    if cpu is None:
+        return
+    this = psutil.Process()
+    others = [this] + [p for p in this.children(recursive=True) if p not in schedulers]
+    scheduler_host.move(schedulers, {cpu})
+    if len(HOST_CPUS) > 1:
+        scheduler_host.move(others, set(HOST_CPUS) - {cpu})
+
+
+def scheduler_placement(schedulers: list, speeds: dict[int, float]) -> dict:
+    """Where a row's scheduler processes ran when it ended, and the slowest of those CPUs'
+    speeds (relative to the fastest CPU) before the engine started; None for a CPU outside
+    the map."""
+    cpus = scheduler_host.cpus_of(schedulers)
+    known = [speeds[c] for c in cpus if c in speeds]
+    return {
+        "scheduler_cpus": cpus,
+        "scheduler_cpu_speed": round(min(known), 2) if known else None,
     }
 
 
@@ -511,10 +565,16 @@ def print_scheduler_use(rows: list[dict]) -> None:
             " / voluntary switches per second:"
         )
         for r in used:
+            speed = r.get("scheduler_cpu_speed")
             print(
                 f"  {r['config']} bs {r['bs']}: {r['scheduler_busy']:.2f} / "
                 f"{r['scheduler_preempted_per_s']:.1f} / "
                 f"{r.get('scheduler_waits_per_s', '-')}"
+                + (
+                    f" | cpu {r['scheduler_cpus']}, speed {speed:.2f} before start"
+                    if speed is not None
+                    else ""
+                )
             )
 
 
@@ -589,6 +649,20 @@ def main() -> None:
         "each cell's best: engine-to-engine spread is larger than the gaps compared",
     )
     parser.add_argument(
+        "--pin-scheduler",
+        default="none",
+        help="none, fastest or a CPU number: once each engine is up, run its scheduler "
+        "processes on that CPU alone (fastest: the fastest by specpatch.gpu_host.vcpu_speed "
+        "just before the engine started); a host-bound engine runs at its CPU's speed, and "
+        "CPUs of a guest differ",
+    )
+    parser.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="call sglang's freeze_gc once each engine is up (Engine.freeze_gc): the "
+        "garbage collector then leaves start-up's objects out of its scans",
+    )
+    parser.add_argument(
         "--attention-backend",
         default=eng.BUNDLE_FLAGS["attention_backend"],
         help="the attention backend of configs without @BACKEND (fa3 needs sgl_kernel's "
@@ -603,6 +677,13 @@ def main() -> None:
         "--replot", help="results.json of an earlier run: only draw --png"
     )
     args = parser.parse_args()
+    if args.pin_scheduler not in ("none", "fastest") and (
+        not args.pin_scheduler.isdigit() or int(args.pin_scheduler) not in HOST_CPUS
+    ):
+        parser.error(
+            f"--pin-scheduler {args.pin_scheduler}: want none, fastest or one of the CPUs "
+            f"this process may run on ({HOST_CPUS})"
+        )
     if args.replot:
         rows = json.loads(Path(args.replot).read_text())
         names = list(dict.fromkeys(r["config"] for r in rows))
@@ -659,6 +740,8 @@ def main() -> None:
                 repeats=args.repeats,
                 mixed=mixed,
                 successor=successor,
+                pin_scheduler=args.pin_scheduler,
+                freeze_gc=args.freeze_gc,
                 **backend,
             ):
                 r["engines"] = args.rounds

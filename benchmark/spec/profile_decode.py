@@ -372,6 +372,7 @@ def profile_config(
     extra_env: dict[str, str] | None = None,
     settle_seconds: float = 0.05,
     first_tokens: int = 0,
+    freeze_gc: bool = False,
 ) -> dict:
     """The profile summary of `num_steps` decode steps of config `name` at batch size bs;
     with first_tokens > 0, of that many batches of the same prompts run to their first
@@ -387,6 +388,8 @@ def profile_config(
         bench_e2e.scoped_env(env),
         eng.engine(**engine_settings(target, draft, name, bs)) as e,
     ):
+        if freeze_gc:  # as bench_e2e --freeze-gc
+            e.freeze_gc()
         prompts = eng.random_prompts(bs, vocab, seed=bs)
         warm = eng.best_of(e, prompts, 256, 1)
 
@@ -492,6 +495,11 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="set for every config's engine, e.g. SGLANG_KV_CANARY=raise (repeatable)",
     )
+    p.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="sglang's freeze_gc once each engine is up (bench_e2e --freeze-gc)",
+    )
     p.add_argument("--models")
     p.add_argument("--out")
     args = p.parse_args()
@@ -514,6 +522,7 @@ def main() -> None:
             parse_env(args.env),
             args.settle_seconds,
             args.first_tokens,
+            freeze_gc=args.freeze_gc,
         )
         results.append(s)
         print(

@@ -426,8 +426,12 @@ def test_spec_efficiency_against_no_speculation_at_each_batch_size():
 @pytest.fixture
 def engine_without_a_gpu(monkeypatch):
     """measure()'s engine and runs faked: an engine that starts at once and runs each batch
-    in one second."""
+    in one second, on a host of two CPUs, the second at 0.6 of the first's speed."""
     import contextlib
+
+    monkeypatch.setattr(
+        bench_e2e.vcpu_speed, "speed_map", lambda cpus=None: {0: 1.0, 1: 0.6}
+    )
 
     @contextlib.contextmanager
     def fake_engine(**kwargs):
@@ -463,6 +467,32 @@ def test_each_row_records_its_engines_start_up_time(
     assert capsys.readouterr().out == "none: engine started in 87 s\n"
 
 
+def test_freeze_gc_freezes_each_engine_once_it_is_up_and_rows_say_so(
+    engine_without_a_gpu, monkeypatch
+):
+    import contextlib
+
+    frozen = []
+
+    class Engine:
+        def freeze_gc(self):
+            frozen.append(True)
+
+    @contextlib.contextmanager
+    def engine(**kwargs):
+        yield Engine()
+
+    monkeypatch.setattr(bench_e2e.eng, "engine", engine)
+
+    rows = bench_e2e.measure(
+        Path("/t"), Path("/d"), "chain", [1, 4], 8, 100, freeze_gc=True
+    )
+    unfrozen = bench_e2e.measure(Path("/t"), Path("/d"), "chain", [1], 8, 100)
+
+    assert frozen == [True]
+    assert [r["gc_frozen"] for r in rows + unfrozen] == [True, True, False]
+
+
 def test_each_row_records_its_schedulers_cpu_use_over_its_timed_runs(
     engine_without_a_gpu, monkeypatch, capsys
 ):
@@ -491,6 +521,7 @@ def test_each_row_records_its_schedulers_cpu_use_over_its_timed_runs(
         return next(totals)
 
     monkeypatch.setattr(scheduler_host, "snapshot", snapshot)
+    monkeypatch.setattr(scheduler_host, "cpus_of", lambda procs: [1])
 
     rows = bench_e2e.measure(Path("/t"), Path("/d"), "chain", [1, 4], 8, 100)
     capsys.readouterr()
@@ -504,11 +535,15 @@ def test_each_row_records_its_schedulers_cpu_use_over_its_timed_runs(
         )
         for r in rows
     ] == [(0.95, 10.0, 5), (0.5, 0.0, 1500)]
+    assert [(r["scheduler_cpus"], r["scheduler_cpu_speed"]) for r in rows] == [
+        ([1], 0.6),
+        ([1], 0.6),
+    ]
     assert capsys.readouterr().out == (
         "scheduler CPU seconds per second / involuntary switches per second"
         " / voluntary switches per second:\n"
-        "  chain bs 1: 0.95 / 10.0 / 5\n"
-        "  chain bs 4: 0.50 / 0.0 / 1500\n"
+        "  chain bs 1: 0.95 / 10.0 / 5 | cpu [1], speed 0.60 before start\n"
+        "  chain bs 4: 0.50 / 0.0 / 1500 | cpu [1], speed 0.60 before start\n"
     )
 
 

@@ -3,6 +3,7 @@ the title sglang gives them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -107,3 +108,25 @@ def test_an_interval_is_the_difference_of_two_snapshots():
     assert (usage.busy, usage.preempted_per_s, usage.waits_per_s) == (0.75, 15.0, 400.0)
     empty = before.since(before)
     assert (empty.busy, empty.preempted_per_s, empty.waits_per_s) == (0.0, 0.0, 0.0)
+
+
+def test_moved_processes_run_every_thread_on_the_cpus_given(spawn):
+    allowed = sorted(os.sched_getaffinity(0))
+    scheduler = spawn("sglang::scheduler_TP0", "spin")
+
+    scheduler_host.move([scheduler], {allowed[-1]})
+    time.sleep(0.2)  # long enough for the spinner to be moved and run there
+
+    assert {tuple(os.sched_getaffinity(t.id)) for t in scheduler.threads()} == {
+        (allowed[-1],)
+    }
+    assert scheduler_host.cpus_of([scheduler]) == [allowed[-1]]
+
+
+def test_placement_of_gone_processes_is_nothing(spawn):
+    gone = spawn("sglang::scheduler_TP0", "sleep")
+    gone.kill()
+    gone.wait()
+
+    assert scheduler_host.cpus_of([gone]) == []
+    scheduler_host.move([gone], set(os.sched_getaffinity(0)))  # no error

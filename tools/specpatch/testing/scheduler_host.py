@@ -14,6 +14,7 @@ away says whether the row measured the config or the host.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -90,3 +91,27 @@ def snapshot(procs: list[psutil.Process]) -> HostUsage:
     return HostUsage(
         cpu_s=cpu_s, preemptions=preemptions, wall_s=time.monotonic(), waits=waits
     )
+
+
+def cpus_of(procs: list[psutil.Process]) -> list[int]:
+    """The CPU each process's main thread last ran on (a process that has gone: none)."""
+    cpus = []
+    for proc in procs:
+        try:
+            cpus.append(proc.cpu_num())
+        except psutil.NoSuchProcess:
+            continue
+    return cpus
+
+
+def move(procs: list[psutil.Process], cpus: set[int]) -> None:
+    """Run every thread of the processes on `cpus` only (threads started later inherit the
+    affinity of the thread that starts them). A benchmark puts each engine's schedulers on
+    one CPU of their own and everything else of its process tree off it, so that the engines
+    it compares run their host loops on the same CPU."""
+    for proc in procs:
+        try:
+            for thread in proc.threads():
+                os.sched_setaffinity(thread.id, cpus)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
