@@ -23,6 +23,7 @@ import collections
 import gzip
 import json
 import re
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -89,6 +90,7 @@ def summarise_trace(path: Path, num_steps: int, top: int = 25) -> dict:
             collections.Counter(op["name"] for op in cpu_ops)
         ),
         "cpu_op_us_per_step": per_step(op_time),
+        "cpu_ops_per_step": len(cpu_ops) / num_steps,
         "sync_us_per_step": sum(e["dur"] for e in runtime if e["name"] in SYNC_CALLS)
         / num_steps,
         "sync_sites": collections.Counter(
@@ -178,6 +180,28 @@ def host_time_differences(a: list, b: list, top: int = 15) -> list:
     ]
     rows = [(name, x, y, round(x - y, 1)) for name, x, y in rows]
     return sorted(rows, key=lambda r: -abs(r[3]))[:top]
+
+
+def host_op_slowdown(a: dict, b: dict) -> tuple[float, int]:
+    """How much longer config a's host ops take than config b's, call for call: the median,
+    over the ops in both summaries' top lists (by count and by time), of the ratio of their
+    mean us per call, and how many ops that median is over (0: none in common, ratio 1.0).
+    Two engines that run the same ops with a ratio far from 1 ran them on hosts of different
+    speed (the CPU their scheduler ran on, or what their process holds), not different
+    work."""
+    ratios = []
+    for name, per_call in _us_per_call(a).items():
+        other = _us_per_call(b).get(name)
+        if other:
+            ratios.append(per_call / other)
+    return (statistics.median(ratios) if ratios else 1.0), len(ratios)
+
+
+def _us_per_call(summary: dict) -> dict[str, float]:
+    counts, us = dict(summary["cpu_op_count_per_step"]), dict(
+        summary["cpu_op_us_per_step"]
+    )
+    return {name: us[name] / n for name, n in counts.items() if name in us and n > 0}
 
 
 def outermost_time(events: list, needle: str, num_steps: int) -> float:
@@ -547,8 +571,15 @@ def main() -> None:
             print(f"  {us:>8.1f}  {kernel[:100]} | {op or '-'} | {site}")
         if args.out:  # after every config, so a call cut short keeps what finished
             Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.with_stack and len(results) >= 2:
+    if len(results) >= 2:
         a, b = results[0], results[1]
+        ratio, ops = host_op_slowdown(a, b)
+        print(
+            f"host ops: {a['config']} {a['cpu_ops_per_step']:.0f} a step, "
+            f"{b['config']} {b['cpu_ops_per_step']:.0f}; per call {a['config']} takes "
+            f"{ratio:.2f}x {b['config']}'s (median over {ops} ops)"
+        )
+    if args.with_stack and len(results) >= 2:
         print(
             f"exclusive host us per step, {a['config']} - {b['config']} (largest differences):"
         )

@@ -56,6 +56,7 @@ def test_summary_counts_per_step_and_merges_overlapping_kernels(tmp_path):
     assert s["syncs_per_step"] == 0.5 and s["memcpy_per_step"] == 0.5
     assert s["kernel_count_per_step"][0] == ("gemm", 1.0)
     assert s["cpu_op_us_per_step"] == [("aten::topk", 6.0)]
+    assert s["cpu_ops_per_step"] == 1.0
     assert s["sync_sites"] == [("cudaStreamSynchronize", 1)]
     assert s["sync_us_per_step"] == 0.5
 
@@ -156,6 +157,29 @@ def test_python_self_time_subtracts_callees_per_thread():
         "srt/b.py(2): verify": 45.0,
         "srt/c.py(3): move": 45.0,
     }
+
+
+def test_host_op_slowdown_is_the_median_per_call_ratio_of_the_ops_both_ran():
+    slow = {
+        "cpu_op_count_per_step": [("aten::slice", 100), ("aten::view", 50), ("a", 2)],
+        "cpu_op_us_per_step": [("aten::slice", 400.0), ("aten::view", 60.0), ("b", 9)],
+    }
+    fast = {
+        "cpu_op_count_per_step": [("aten::slice", 100), ("aten::view", 40), ("b", 3)],
+        "cpu_op_us_per_step": [("aten::slice", 200.0), ("aten::view", 40.0), ("a", 5)],
+    }
+
+    # slice 4.0 against 2.0 us a call, view 1.2 against 1.0: ops "a" and "b" are in one
+    # list of each summary only.
+    ratio, ops = profile_decode.host_op_slowdown(slow, fast)
+
+    assert (ratio, ops) == (pytest.approx(1.6), 2)
+    assert profile_decode.host_op_slowdown(
+        slow, {**fast, "cpu_op_us_per_step": []}
+    ) == (
+        1.0,
+        0,
+    )
 
 
 def test_host_time_differences_rank_frames_by_the_gap_between_two_configs():
