@@ -139,11 +139,9 @@ def format_line(
 
 def watch(interval: float, least: float, proc: Path = Path("/proc")) -> Iterator[str]:
     ticks_per_s = os.sysconf("SC_CLK_TCK")
-    threads, steal, then = (
-        read_threads(proc),
-        parse_cpu_steal((proc / "stat").read_text()),
-        time.monotonic(),
-    )
+    threads = read_threads(proc)
+    steal = parse_cpu_steal((proc / "stat").read_text())
+    then = time.monotonic()
     while True:
         time.sleep(interval)
         now_threads = read_threads(proc)
