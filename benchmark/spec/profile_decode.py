@@ -189,18 +189,16 @@ def host_op_slowdown(a: dict, b: dict) -> tuple[float, int]:
     Two engines that run the same ops with a ratio far from 1 ran them on hosts of different
     speed (the CPU their scheduler ran on, or what their process holds), not different
     work."""
-    ratios = []
-    for name, per_call in _us_per_call(a).items():
-        other = _us_per_call(b).get(name)
-        if other:
-            ratios.append(per_call / other)
+    per_call_a, per_call_b = _us_per_call(a), _us_per_call(b)
+    ratios = [
+        us / per_call_b[name] for name, us in per_call_a.items() if per_call_b.get(name)
+    ]
     return (statistics.median(ratios) if ratios else 1.0), len(ratios)
 
 
 def _us_per_call(summary: dict) -> dict[str, float]:
-    counts, us = dict(summary["cpu_op_count_per_step"]), dict(
-        summary["cpu_op_us_per_step"]
-    )
+    counts = dict(summary["cpu_op_count_per_step"])
+    us = dict(summary["cpu_op_us_per_step"])
     return {name: us[name] / n for name, n in counts.items() if name in us and n > 0}
 
 
@@ -572,14 +570,19 @@ def main() -> None:
         if args.out:  # after every config, so a call cut short keeps what finished
             Path(args.out).write_text(json.dumps(results, indent=1))
     if len(results) >= 2:
-        a, b = results[0], results[1]
-        ratio, ops = host_op_slowdown(a, b)
-        print(
-            f"host ops: {a['config']} {a['cpu_ops_per_step']:.0f} a step, "
-            f"{b['config']} {b['cpu_ops_per_step']:.0f}; per call {a['config']} takes "
-            f"{ratio:.2f}x {b['config']}'s (median over {ops} ops)"
-        )
-    if args.with_stack and len(results) >= 2:
+        print_host_comparison(results[0], results[1], args.with_stack)
+
+
+def print_host_comparison(a: dict, b: dict, with_stack: bool) -> None:
+    """The first two configs' host ops side by side and, with stacks, the Python frames
+    whose exclusive time differs most."""
+    ratio, ops = host_op_slowdown(a, b)
+    print(
+        f"host ops: {a['config']} {a['cpu_ops_per_step']:.0f} a step, "
+        f"{b['config']} {b['cpu_ops_per_step']:.0f}; per call {a['config']} takes "
+        f"{ratio:.2f}x {b['config']}'s (median over {ops} ops)"
+    )
+    if with_stack:
         print(
             f"exclusive host us per step, {a['config']} - {b['config']} (largest differences):"
         )

@@ -28,6 +28,7 @@ def test_steal_is_read_per_cpu_and_the_total_line_is_skipped():
         "cpu  100 0 50 1000 0 0 0 30 0 0\n"
         "cpu0 60 0 30 500 0 0 0 10 0 0\n"
         "cpu1 40 0 20 500 0 0 0 20 5 0\n"
+        "\n"  # an empty line is skipped, not a crash
         "intr 12345 0 0\n"
         "ctxt 999\n"
     )

@@ -182,6 +182,25 @@ def test_host_op_slowdown_is_the_median_per_call_ratio_of_the_ops_both_ran():
     )
 
 
+def test_two_configs_host_ops_are_compared_in_one_line_without_stacks(capsys):
+    def summary(config, slice_us):
+        return {
+            "config": config,
+            "cpu_ops_per_step": 4284.0,
+            "cpu_op_count_per_step": [("aten::slice", 100)],
+            "cpu_op_us_per_step": [("aten::slice", slice_us)],
+        }
+
+    profile_decode.print_host_comparison(
+        summary("policy", 390.0), summary("chain", 200.0), with_stack=False
+    )
+
+    assert capsys.readouterr().out == (
+        "host ops: policy 4284 a step, chain 4284; per call policy takes 1.95x "
+        "chain's (median over 1 ops)\n"
+    )
+
+
 def test_host_time_differences_rank_frames_by_the_gap_between_two_configs():
     v2 = [("verify", 900.0), ("resolve_future", 120.0), ("draft", 400.0)]
     v1 = [("verify", 950.0), ("draft", 400.0), ("v1_only", 30.0)]

@@ -74,7 +74,7 @@ def parse_cpu_steal(text: str) -> dict[int, tuple[int, int]]:
     already counted in user, so the total is the first eight fields."""
     steal = {}
     for line in text.splitlines():
-        name, *values = line.split()
+        name, *values = line.split() or [""]
         if not name.startswith("cpu") or name == "cpu":
             continue
         ticks = [int(v) for v in values[:8]]
