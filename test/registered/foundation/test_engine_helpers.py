@@ -254,7 +254,11 @@ def test_ramp_generate_spreads_arrivals_and_times_the_whole_load(monkeypatch):
     arrivals = []
 
     class FakeEngine:
+        # sglang's Engine: its tokenizer manager runs on the engine's own loop
+        loop = asyncio.new_event_loop()
+
         async def async_generate(self, input_ids, sampling_params):
+            assert asyncio.get_running_loop() is self.loop
             arrivals.append((input_ids[0], asyncio.get_event_loop().time()))
             await asyncio.sleep(0.01)
             n = sampling_params["max_new_tokens"]
@@ -263,6 +267,7 @@ def test_ramp_generate_spreads_arrivals_and_times_the_whole_load(monkeypatch):
                 "meta_info": {"completion_tokens": n, "spec_verify_ct": n // 2},
             }
 
+    # The thread's current loop is another engine's (the last one started).
     asyncio.set_event_loop(asyncio.new_event_loop())
     prompts = [[i] for i in range(5)]
     run = eng.ramp_generate(FakeEngine(), prompts, 8, ramp_seconds=0.2)
@@ -280,7 +285,10 @@ def test_arrivals_generate_gives_each_request_its_own_delay_and_length():
     asked = {}
 
     class FakeEngine:
+        loop = asyncio.new_event_loop()
+
         async def async_generate(self, input_ids, sampling_params):
+            assert asyncio.get_running_loop() is self.loop
             asked[input_ids[0]] = asyncio.get_event_loop().time()
             n = sampling_params["max_new_tokens"]
             return {"output_ids": [7] * n, "meta_info": {"completion_tokens": n}}

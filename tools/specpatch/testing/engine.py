@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 # The trimmed GPU bundle has no FA3, no FlashInfer JIT and no xgrammar (shared/gpu/README.md).
 BUNDLE_FLAGS = dict(
@@ -287,6 +287,35 @@ def engine(**kwargs) -> Iterator[object]:
             eng.shutdown()
 
 
+@contextlib.contextmanager
+def engine_group() -> Iterator[Callable[..., object]]:
+    """Engines that run side by side in this process: yields start(**engine_kwargs), which
+    starts one more and returns it; every engine started stops on exit.
+
+    sglang assumes one engine per process: each engine's shutdown kills every child of this
+    process, and each engine's watchdog signals this process (SIGQUIT) once a child of its
+    engine has gone. So every watchdog stops before the children are killed, once."""
+    import sglang as sgl
+    from sglang.srt.utils import kill_process_tree
+
+    started = []
+
+    def start(**kwargs) -> object:
+        started.append(sgl.Engine(**kwargs))
+        return started[-1]
+
+    with child_failure_raises():
+        try:
+            yield start
+        finally:
+            for e in started:
+                # as Engine.shutdown does before its kill
+                watchdog = e.tokenizer_manager._subprocess_watchdog
+                if watchdog is not None:
+                    watchdog.stop()
+            kill_process_tree(os.getpid(), include_parent=False)
+
+
 def free_server_port(rng: random.Random | None = None, attempts: int = 200) -> int:
     """A bindable `--port` whose derived ports are valid too (ServerArgs refuses a port above
     55535: it derives the gRPC port as port + 10000), from chosen_port_range."""
@@ -439,8 +468,9 @@ def arrivals_generate(
         )
 
     tic = time.perf_counter()
-    # sglang's Engine runs its tokenizer manager on the thread's event loop (Engine.generate).
-    outs = asyncio.get_event_loop().run_until_complete(all_requests())
+    # sglang's Engine runs its tokenizer manager on its own event loop (Engine.generate):
+    # the thread's current loop is the last engine's where several run side by side.
+    outs = eng.loop.run_until_complete(all_requests())
     seconds = time.perf_counter() - tic
     return GreedyRun.of_outputs(outs, seconds)
 

@@ -53,6 +53,21 @@ class HostUsage:
     # something; with few, it lost its core.
     waits: int = 0
 
+    @classmethod
+    def zero(cls) -> "HostUsage":
+        """Nothing used over no time: the start of a sum of intervals."""
+        return cls(cpu_s=0.0, preemptions=0, wall_s=0.0)
+
+    def __add__(self, other: "HostUsage") -> "HostUsage":
+        """Two intervals' use together (an engine that runs in turns with others: its
+        own runs' intervals summed)."""
+        return HostUsage(
+            cpu_s=self.cpu_s + other.cpu_s,
+            preemptions=self.preemptions + other.preemptions,
+            wall_s=self.wall_s + other.wall_s,
+            waits=self.waits + other.waits,
+        )
+
     def since(self, before: "HostUsage") -> "HostUsage":
         return HostUsage(
             cpu_s=self.cpu_s - before.cpu_s,
