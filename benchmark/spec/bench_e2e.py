@@ -1,5 +1,6 @@
 """End-to-end tok/s and accept length of speculative configurations on a synthetic pair,
-all measured in one run (one GPU, one process after another), printed side by side.
+all measured in one run (one GPU, one engine after another, or with --side-by-side every
+engine up at once and the configs taking turns run by run), printed side by side.
 
     python benchmark/spec/bench_e2e.py --preset bench --agreement 0.7 \
         --configs none,chain,chain-general --batch-sizes 1,8,32 --out results.json [--png plot.png]
@@ -33,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import psutil
 
@@ -407,25 +408,14 @@ def measure(
             delays, tokens = mixed.arrivals(max_new_tokens)
             eng.arrivals_generate(e, ramp, tokens, delays)  # warm-up
             before = scheduler_host.snapshot(schedulers)
-            run = max(
-                (
-                    eng.arrivals_generate(e, ramp, tokens, delays)
-                    for _ in range(repeats)
-                ),
-                key=lambda r: r.tok_per_s,
-            )
+            runs = [
+                eng.arrivals_generate(e, ramp, tokens, delays) for _ in range(repeats)
+            ]
             usage = scheduler_host.snapshot(schedulers).since(before)
             rows.append(
-                {
-                    "config": name,
-                    "bs": MIXED,
-                    "load": mixed.label,
-                    "tok_per_s": run.tok_per_s,
-                    "accept_length": run.accept_length if spec else 1.0,
-                    "diverged": diverged_requests(run, ramp, successor, tokens),
-                    **scheduler_use(usage),
-                    **scheduler_placement(schedulers, speeds),
-                }
+                mixed_row(name, spec, mixed, runs, ramp, tokens, successor)
+                | scheduler_use(usage)
+                | scheduler_placement(schedulers, speeds)
             )
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
@@ -433,29 +423,14 @@ def measure(
             before = scheduler_host.snapshot(schedulers)
             runs = eng.timed_runs(e, batch, max_new_tokens, repeats)
             usage = scheduler_host.snapshot(schedulers).since(before)
-            best = eng.fastest(runs)
             # The same prompts to their first token only: prefill (the draft's too) and the
             # first sampled token, what every request pays once whatever its length. The
             # prompts are in the radix cache by now: the prefill extends a cached prefix.
             first = eng.best_of(e, batch, 1, repeats)
             rows.append(
-                {
-                    "config": name,
-                    "bs": bs,
-                    "tok_per_s": best.tok_per_s,
-                    # Every timed run of this engine, in order: a spread here is noise
-                    # within one engine, against the spread between engines
-                    # (tok_per_s_per_round).
-                    "tok_per_s_repeats": [r.tok_per_s for r in runs],
-                    "decode_tok_per_s": decode_tok_per_s(best, first),
-                    "first_token_ms": first.seconds * 1e3,
-                    "accept_length": best.accept_length if spec else 1.0,
-                    "diverged": diverged_requests(
-                        best, batch, successor, max_new_tokens
-                    ),
-                    **scheduler_use(usage),
-                    **scheduler_placement(schedulers, speeds),
-                }
+                batch_row(name, spec, batch, runs, first, successor, max_new_tokens)
+                | scheduler_use(usage)
+                | scheduler_placement(schedulers, speeds)
             )
         loads.append(os.getloadavg()[0])
     if pin_scheduler != "none":  # the next engine's map and processes: every CPU again
@@ -465,6 +440,215 @@ def measure(
         r["engine_start_s"] = start_s
         r["gc_frozen"] = freeze_gc
     return rows
+
+
+def measure_side_by_side(
+    target,
+    draft,
+    names: list[str],
+    batch_sizes: list[int],
+    max_new_tokens: int,
+    vocab: int,
+    repeats: int = 3,
+    attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"],
+    mixed: Optional[MixedLoad] = None,
+    successor: Optional[list[int]] = None,
+    pin_scheduler: str = "fastest",
+    freeze_gc: bool = False,
+) -> list[dict]:
+    """measure() for every config of `names` at once: all their engines up together, their
+    schedulers on one CPU, the configs taking turns run by run.
+
+    A host-bound engine runs at the speed of its scheduler's CPU, and a guest's CPUs differ
+    and drift by up to 2x within minutes (specpatch.gpu_host.vcpu_speed), so engines measured
+    one after another compare their CPUs as much as their configs. Here each run of one
+    config sits between runs of the others, on the same CPU; an idle engine's scheduler
+    sleeps (sglang's --sleep-on-idle) instead of spinning beside the one that runs. Each
+    round of runs starts with the next config, so none always runs first."""
+    speeds = vcpu_speed.speed_map(HOST_CPUS)
+    engines: dict[str, object] = {}
+    schedulers: dict[str, list] = {}
+    start_s: dict[str, float] = {}
+    with eng.engine_group() as start:
+        for name in names:
+            config, _, _ = split_config(name, attention_backend)
+            kwargs = engine_settings(
+                target, draft, name, batch_sizes, attention_backend, mixed
+            )
+            # Every engine's pool at once: each only as large as its live requests need.
+            kwargs["max_total_tokens"] = min(
+                kwargs["max_total_tokens"],
+                max(
+                    MIN_SIDE_BY_SIDE_POOL,
+                    live_tokens(batch_sizes, mixed, max_new_tokens),
+                ),
+            )
+            started = time.perf_counter()
+            with scoped_env(CONFIGS[config][1]):
+                engines[name] = start(**kwargs, sleep_on_idle=True)
+            start_s[name] = round(time.perf_counter() - started, 1)
+            print(f"{name}: engine started in {start_s[name]:.0f} s", flush=True)
+            earlier = {p for procs in schedulers.values() for p in procs}
+            schedulers[name] = [
+                p for p in scheduler_host.scheduler_processes() if p not in earlier
+            ]
+            if freeze_gc:
+                engines[name].freeze_gc()
+        every_scheduler = [p for procs in schedulers.values() for p in procs]
+        pin = "fastest" if pin_scheduler == "none" else pin_scheduler
+        place_schedulers(every_scheduler, scheduler_cpu(pin, speeds))
+        loads = [os.getloadavg()[0]]
+        turns = Turns(engines, schedulers, repeats)
+        rows = []
+        if mixed is not None:
+            ramp = prompts(mixed.total_requests, vocab, seed=99)
+            delays, tokens = mixed.arrivals(max_new_tokens)
+            runs, usage = turns.take(
+                lambda e: eng.arrivals_generate(e, ramp, tokens, delays)
+            )
+            for name in names:
+                spec = CONFIGS[split_config(name, attention_backend)[0]][0]
+                rows.append(
+                    mixed_row(name, spec, mixed, runs[name], ramp, tokens, successor)
+                    | scheduler_use(usage[name])
+                    | scheduler_placement(schedulers[name], speeds)
+                )
+        for bs in batch_sizes:
+            batch = prompts(bs, vocab, seed=bs)
+            runs, usage = turns.take(lambda e: eng.generate(e, batch, max_new_tokens))
+            firsts, _ = turns.take(lambda e: eng.generate(e, batch, 1))
+            for name in names:
+                spec = CONFIGS[split_config(name, attention_backend)[0]][0]
+                rows.append(
+                    batch_row(
+                        name,
+                        spec,
+                        batch,
+                        runs[name],
+                        eng.fastest(firsts[name]),
+                        successor,
+                        max_new_tokens,
+                    )
+                    | scheduler_use(usage[name])
+                    | scheduler_placement(schedulers[name], speeds)
+                )
+        loads.append(os.getloadavg()[0])
+    scheduler_host.move([psutil.Process()], set(HOST_CPUS))
+    for r in rows:
+        r["host_load"] = round(max(loads), 1)
+        r["engine_start_s"] = start_s[r["config"]]
+        r["gc_frozen"] = freeze_gc
+        r["side_by_side"] = names
+    return rows
+
+
+# KV slots a speculating request holds beyond its tokens: its verify's draft tokens and the
+# draft's steps (tree 16,3,32: 32 and 48), with room to spare.
+SPEC_SLACK_TOKENS = 256
+
+
+# The smallest pool of an engine started side by side: sglang's own sizes (a chunked prefill
+# of 8192-16384 tokens) assume one at least this large.
+MIN_SIDE_BY_SIDE_POOL = 1 << 15
+
+
+def live_tokens(
+    batch_sizes: list[int], mixed: Optional[MixedLoad], max_new_tokens: int
+) -> int:
+    """KV tokens the most a run has in flight at once needs: its largest batch or its mixed
+    load (every request of it), each request at its longest prompt, all its tokens and
+    SPEC_SLACK_TOKENS. The radix cache gives back finished prompts' slots as needed."""
+    per_request = PROMPT_LEN[1] + SPEC_SLACK_TOKENS
+    needs = [bs * (per_request + max_new_tokens) for bs in batch_sizes]
+    if mixed is not None:
+        _, tokens = mixed.arrivals(max_new_tokens)
+        needs.append(sum(per_request + n for n in tokens))
+    return max(needs)
+
+
+class Turns:
+    """Runs of several engines in turns: `repeats` rounds after one untimed round, each
+    round every engine once, the first engine of a round the next one along."""
+
+    def __init__(
+        self, engines: dict[str, object], schedulers: dict[str, list], repeats: int
+    ):
+        self.engines = engines
+        self.schedulers = schedulers
+        self.repeats = repeats
+
+    def order(self, round_index: int) -> list[str]:
+        """The engines' names in round `round_index`'s order: rotated by the round."""
+        names = list(self.engines)
+        k = round_index % len(names)
+        return names[k:] + names[:k]
+
+    def take(
+        self, run: Callable[[object], eng.GreedyRun]
+    ) -> tuple[dict[str, list[eng.GreedyRun]], dict[str, scheduler_host.HostUsage]]:
+        """Each engine's timed results of run(engine) in order, and its schedulers' use
+        over its own timed runs only."""
+        for name in self.order(0):  # untimed: warm-up, as timed_runs has
+            run(self.engines[name])
+        results = {name: [] for name in self.engines}
+        usage = {name: scheduler_host.HostUsage.zero() for name in self.engines}
+        for i in range(self.repeats):
+            for name in self.order(i):
+                before = scheduler_host.snapshot(self.schedulers[name])
+                results[name].append(run(self.engines[name]))
+                after = scheduler_host.snapshot(self.schedulers[name])
+                usage[name] = usage[name] + after.since(before)
+        return results, usage
+
+
+def batch_row(
+    name: str,
+    spec: Optional[eng.SpecConfig],
+    batch: list[list[int]],
+    runs: list[eng.GreedyRun],
+    first: eng.GreedyRun,
+    successor: Optional[list[int]],
+    max_new_tokens: int,
+) -> dict:
+    """A config's row at one batch size: its fastest of `runs` (every request to
+    max_new_tokens) and `first`, the fastest run of the same prompts to their first token.
+    """
+    best = eng.fastest(runs)
+    return {
+        "config": name,
+        "bs": len(batch),
+        "tok_per_s": best.tok_per_s,
+        # Every timed run of this engine, in order: a spread here is noise within one
+        # engine, against the spread between engines (tok_per_s_per_round).
+        "tok_per_s_repeats": [r.tok_per_s for r in runs],
+        "decode_tok_per_s": decode_tok_per_s(best, first),
+        "first_token_ms": first.seconds * 1e3,
+        "accept_length": best.accept_length if spec else 1.0,
+        "diverged": diverged_requests(best, batch, successor, max_new_tokens),
+    }
+
+
+def mixed_row(
+    name: str,
+    spec: Optional[eng.SpecConfig],
+    mixed: MixedLoad,
+    runs: list[eng.GreedyRun],
+    ramp: list[list[int]],
+    tokens: list[int],
+    successor: Optional[list[int]],
+) -> dict:
+    """A config's row for the mixed load: its fastest of `runs` of the `ramp` prompts, each
+    request to its own number of `tokens`."""
+    run = eng.fastest(runs)
+    return {
+        "config": name,
+        "bs": MIXED,
+        "load": mixed.label,
+        "tok_per_s": run.tok_per_s,
+        "tok_per_s_repeats": [r.tok_per_s for r in runs],
+        "accept_length": run.accept_length if spec else 1.0,
+        "diverged": diverged_requests(run, ramp, successor, tokens),
+    }
 
 
 def scheduler_use(usage: scheduler_host.HostUsage) -> dict:
@@ -657,6 +841,14 @@ def main() -> None:
         "CPUs of a guest differ",
     )
     parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="start every config's engine at once and run the configs in turns, run by "
+        "run, their schedulers on one CPU (--pin-scheduler's, the fastest for none): engines "
+        "measured one after another also compare the CPUs they drew, which on a guest "
+        "differ and drift (docs/benchmarks.md); needs GPU memory for every engine at once",
+    )
+    parser.add_argument(
         "--freeze-gc",
         action="store_true",
         help="call sglang's freeze_gc once each engine is up (Engine.freeze_gc): the "
@@ -728,22 +920,45 @@ def main() -> None:
         )
     best: dict[tuple, dict] = {}  # (config, bs) -> the fastest row of its engines
     per_round: dict[tuple, list] = {}  # (config, bs) -> tok/s of each round's engine
+    common = dict(
+        repeats=args.repeats,
+        mixed=mixed,
+        successor=successor,
+        pin_scheduler=args.pin_scheduler,
+        freeze_gc=args.freeze_gc,
+        **backend,
+    )
     for _ in range(args.rounds):
-        for name in names:
-            for r in measure(
-                target,
-                draft,
-                name,
-                batch_sizes,
-                args.max_new_tokens,
-                vocab,
-                repeats=args.repeats,
-                mixed=mixed,
-                successor=successor,
-                pin_scheduler=args.pin_scheduler,
-                freeze_gc=args.freeze_gc,
-                **backend,
-            ):
+        if args.side_by_side:
+            groups = iter(
+                [
+                    measure_side_by_side(
+                        target,
+                        draft,
+                        names,
+                        batch_sizes,
+                        args.max_new_tokens,
+                        vocab,
+                        **common,
+                    )
+                ]
+            )
+        else:  # one engine after another, each measured while it is the only one
+            groups = (
+                measure(
+                    target,
+                    draft,
+                    name,
+                    batch_sizes,
+                    args.max_new_tokens,
+                    vocab,
+                    **common,
+                )
+                for name in names
+            )
+        for group in groups:
+            for r in group:
+                name = r["config"]
                 r["engines"] = args.rounds
                 per_round.setdefault((name, r["bs"]), []).append(r["tok_per_s"])
                 r["tok_per_s_per_round"] = per_round[name, r["bs"]]

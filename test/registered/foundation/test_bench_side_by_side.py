@@ -1,0 +1,319 @@
+"""benchmark/spec/bench_e2e.py --side-by-side: every config's engine up at once, the configs
+taking turns run by run with their schedulers on one CPU; and the engine group it runs in."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
+import bench_e2e  # noqa: E402
+
+from specpatch.testing import engine as eng  # noqa: E402
+from specpatch.testing import scheduler_host  # noqa: E402
+from specpatch.testing.scheduler_host import HostUsage  # noqa: E402
+
+
+def test_turns_rotate_the_first_engine_each_round():
+    turns = bench_e2e.Turns({"a": 1, "b": 2, "c": 3}, {}, repeats=4)
+
+    assert [turns.order(i) for i in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+
+
+def test_taking_turns_warms_each_engine_then_times_them_alternately(monkeypatch):
+    calls = []
+    clock = iter(range(100))
+
+    def snapshot(procs):
+        # each engine's one scheduler has used one CPU second per read
+        return HostUsage(
+            cpu_s=float(next(clock)), preemptions=1, wall_s=float(next(clock))
+        )
+
+    monkeypatch.setattr(scheduler_host, "snapshot", snapshot)
+    turns = bench_e2e.Turns({"a": "A", "b": "B"}, {"a": ["pa"], "b": ["pb"]}, 3)
+
+    def run(engine):
+        calls.append(engine)
+        return f"{engine}{len(calls)}"
+
+    results, usage = turns.take(run)
+
+    assert calls == ["A", "B", "A", "B", "B", "A", "A", "B"]
+    assert results == {"a": ["A3", "A6", "A7"], "b": ["B4", "B5", "B8"]}
+    # Three intervals each (before and after a run: 2 cpu and 2 wall seconds apart).
+    assert usage["a"] == HostUsage(cpu_s=6.0, preemptions=0, wall_s=6.0)
+    assert usage["a"].busy == pytest.approx(1.0)
+
+
+def test_host_usage_sums_intervals_from_zero():
+    one = HostUsage(cpu_s=1.5, preemptions=3, wall_s=2.0, waits=4)
+    two = HostUsage(cpu_s=0.5, preemptions=1, wall_s=1.0, waits=0)
+
+    total = HostUsage.zero() + one + two
+
+    assert total == HostUsage(cpu_s=2.0, preemptions=4, wall_s=3.0, waits=4)
+    assert total.busy == pytest.approx(2.0 / 3.0)
+
+
+@pytest.fixture
+def engines_without_a_gpu(monkeypatch):
+    """measure_side_by_side's engine group, schedulers and runs faked: each engine a name,
+    each engine's scheduler a string, each run one second of 8 tokens a request; a host of
+    CPUs 0-3 whose CPU 2 is the fastest."""
+    started, runs, moves = [], [], []
+
+    @contextlib.contextmanager
+    def engine_group():
+        def start(**kwargs):
+            started.append((kwargs, os.environ.get("SGLANG_SPEC_CHAIN_FAST_PATH")))
+            return f"engine{len(started)}"
+
+        yield start
+
+    def generate(e, batch, n):
+        runs.append((e, len(batch), n))
+        return eng.GreedyRun(
+            output_ids=[[0] * n] * len(batch),
+            seconds=1.0,
+            completion_tokens=n * len(batch),
+        )
+
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    monkeypatch.setattr(bench_e2e.eng, "engine_group", engine_group)
+    monkeypatch.setattr(bench_e2e.eng, "generate", generate)
+    monkeypatch.setattr(
+        bench_e2e.vcpu_speed,
+        "speed_map",
+        lambda cpus=None: {0: 0.6, 1: 0.55, 2: 1.0, 3: 0.9},
+    )
+    monkeypatch.setattr(bench_e2e, "HOST_CPUS", [0, 1, 2, 3])
+    # The schedulers this process has: one more with each engine started.
+    monkeypatch.setattr(
+        scheduler_host,
+        "scheduler_processes",
+        lambda: [f"scheduler{i + 1}" for i in range(len(started))],
+    )
+    monkeypatch.setattr(
+        scheduler_host, "snapshot", lambda procs: HostUsage(0.0, 0, 0.0)
+    )
+    monkeypatch.setattr(scheduler_host, "cpus_of", lambda procs: [2] * len(procs))
+    monkeypatch.setattr(
+        scheduler_host, "move", lambda procs, cpus: moves.append((list(procs), cpus))
+    )
+    return types.SimpleNamespace(started=started, runs=runs, moves=moves)
+
+
+def test_side_by_side_starts_every_engine_and_puts_their_schedulers_on_one_cpu(
+    engines_without_a_gpu,
+):
+    rows = bench_e2e.measure_side_by_side(
+        Path("/t"), Path("/d"), ["none", "chain", "policy"], [4], 8, 100, repeats=2
+    )
+
+    started = engines_without_a_gpu.started
+    assert [kwargs.get("speculative_eagle_topk") for kwargs, _ in started] == [
+        None,
+        1,
+        16,
+    ]
+    # An idle engine sleeps rather than spin beside the one that runs.
+    assert all(kwargs["sleep_on_idle"] is True for kwargs, _ in started)
+    # Every engine's pool at once: the smallest, not 2^16 tokens, for 4 requests of 8.
+    assert all(kwargs["max_total_tokens"] == 1 << 15 for kwargs, _ in started)
+    # Each config's env only while its engine starts (its schedulers read it then).
+    assert [env for _, env in started] == [None, "1", None]
+    assert "SGLANG_SPEC_CHAIN_FAST_PATH" not in os.environ
+    schedulers, cpus = engines_without_a_gpu.moves[0]
+    assert schedulers == ["scheduler1", "scheduler2", "scheduler3"]
+    assert cpus == {2}  # --pin-scheduler none: the fastest CPU
+    assert [r["scheduler_cpus"] for r in rows] == [[2]] * 3
+    assert [r["scheduler_cpu_speed"] for r in rows] == [1.0] * 3
+    assert [(r["config"], r["bs"]) for r in rows] == [
+        ("none", 4),
+        ("chain", 4),
+        ("policy", 4),
+    ]
+    assert all(r["side_by_side"] == ["none", "chain", "policy"] for r in rows)
+    assert rows[0]["accept_length"] == 1.0  # no speculation
+
+
+def test_side_by_side_runs_the_configs_in_turns(engines_without_a_gpu):
+    bench_e2e.measure_side_by_side(
+        Path("/t"), Path("/d"), ["none", "chain"], [1, 4], 8, 100, repeats=2
+    )
+
+    runs = engines_without_a_gpu.runs
+    full = [(e, bs) for e, bs, n in runs if n == 8]
+    first = [(e, bs) for e, bs, n in runs if n == 1]
+    # Per batch size: a warm-up round, then rounds that alternate which engine goes first.
+    assert full == [
+        ("engine1", 1),
+        ("engine2", 1),
+        ("engine1", 1),
+        ("engine2", 1),
+        ("engine2", 1),
+        ("engine1", 1),
+        ("engine1", 4),
+        ("engine2", 4),
+        ("engine1", 4),
+        ("engine2", 4),
+        ("engine2", 4),
+        ("engine1", 4),
+    ]
+    assert len(first) == len(full)  # first-token runs in the same turns
+
+
+def test_side_by_side_pins_where_asked(engines_without_a_gpu):
+    bench_e2e.measure_side_by_side(
+        Path("/t"), Path("/d"), ["none", "chain"], [1], 8, 100, pin_scheduler="3"
+    )
+
+    schedulers, cpus = engines_without_a_gpu.moves[0]
+    assert (schedulers, cpus) == (["scheduler1", "scheduler2"], {3})
+    # The rest of this process tree off it, and every CPU back for this process at the end.
+    assert engines_without_a_gpu.moves[1][1] == {0, 1, 2}
+    assert engines_without_a_gpu.moves[-1][1] == {0, 1, 2, 3}
+
+
+class _Watchdog:
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def stop(self):
+        self.log.append(("stop", self.name))
+
+
+def test_an_engine_group_stops_every_watchdog_before_it_kills_the_children(
+    monkeypatch,
+):
+    import sglang
+    import sglang.srt.utils
+
+    log = []
+
+    class FakeEngine:
+        def __init__(self, **kwargs):
+            name = kwargs["name"]
+            if name == "broken":
+                raise RuntimeError("scheduler died during start-up")
+            self.tokenizer_manager = types.SimpleNamespace(
+                _subprocess_watchdog=_Watchdog(log, name) if name != "bare" else None
+            )
+            log.append(("start", name))
+
+    monkeypatch.setattr(sglang, "Engine", FakeEngine)
+    monkeypatch.setattr(
+        sglang.srt.utils,
+        "kill_process_tree",
+        lambda pid, include_parent=True, **kw: log.append(("kill", include_parent)),
+    )
+
+    with eng.engine_group() as start:
+        a = start(name="a")
+        start(name="bare")
+        start(name="b")
+        assert isinstance(a, FakeEngine)
+    assert log == [
+        ("start", "a"),
+        ("start", "bare"),
+        ("start", "b"),
+        ("stop", "a"),
+        ("stop", "b"),
+        ("kill", False),
+    ]
+
+    log.clear()
+    with pytest.raises(RuntimeError, match="died"):
+        with eng.engine_group() as start:
+            start(name="a")
+            start(name="broken")
+    assert log == [("start", "a"), ("stop", "a"), ("kill", False)]
+
+
+def test_live_tokens_cover_the_largest_batch_or_the_mixed_load(monkeypatch):
+    monkeypatch.setattr(bench_e2e, "PROMPT_LEN", [8, 64])
+    per_request = 64 + bench_e2e.SPEC_SLACK_TOKENS
+
+    assert bench_e2e.live_tokens([1, 48, 4], None, 128) == 48 * (per_request + 128)
+    tail = bench_e2e.MixedLoad.parse("4:1.5:2x1024")
+    # two requests of 1024 tokens and four of 128, all in flight at once at worst
+    assert bench_e2e.live_tokens([1], tail, 128) == 2 * (per_request + 1024) + 4 * (
+        per_request + 128
+    )
+    assert bench_e2e.live_tokens([64], tail, 128) == 64 * (per_request + 128)
+
+
+def test_side_by_side_mixed_load_rows_keep_every_run(
+    engines_without_a_gpu, monkeypatch
+):
+    def arrivals(e, prompts, tokens, delays):
+        engines_without_a_gpu.runs.append((e, len(prompts), "mixed"))
+        seconds = 2.0 if e == "engine1" else 1.0
+        return eng.GreedyRun(
+            output_ids=[[0] * n for n in tokens],
+            seconds=seconds,
+            completion_tokens=sum(tokens),
+        )
+
+    monkeypatch.setattr(bench_e2e.eng, "arrivals_generate", arrivals)
+    rows = bench_e2e.measure_side_by_side(
+        Path("/t"),
+        Path("/d"),
+        ["none", "chain"],
+        [],
+        8,
+        100,
+        repeats=2,
+        mixed=bench_e2e.MixedLoad.parse("4:1.5:2x16"),
+    )
+
+    assert [(r["config"], r["bs"]) for r in rows] == [
+        ("none", "mixed"),
+        ("chain", "mixed"),
+    ]
+    tokens = 2 * 16 + 4 * 8
+    assert [r["tok_per_s_repeats"] for r in rows] == [
+        [tokens / 2.0] * 2,
+        [tokens / 1.0] * 2,
+    ]
+    mixed_runs = [e for e, _, kind in engines_without_a_gpu.runs if kind == "mixed"]
+    assert mixed_runs == [
+        "engine1",
+        "engine2",
+        "engine1",
+        "engine2",
+        "engine2",
+        "engine1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "bs, tokens, pool",
+    [
+        (64, 256, 64 * (64 + 256 + 256)),  # what its live requests hold
+        (128, 256, 1 << 16),  # no more than one engine alone gets
+    ],
+)
+def test_side_by_side_pools_hold_the_live_requests(
+    engines_without_a_gpu, monkeypatch, bs, tokens, pool
+):
+    monkeypatch.setattr(bench_e2e, "PROMPT_LEN", [8, 64])
+    bench_e2e.measure_side_by_side(
+        Path("/t"), Path("/d"), ["none", "chain"], [1, bs], tokens, 100, repeats=1
+    )
+
+    assert [k["max_total_tokens"] for k, _ in engines_without_a_gpu.started] == [
+        pool,
+        pool,
+    ]
