@@ -547,8 +547,9 @@ def measure_side_by_side(
 SPEC_SLACK_TOKENS = 256
 
 
-# The smallest pool of an engine started side by side: sglang's own sizes (a chunked prefill
-# of 8192-16384 tokens) assume one at least this large.
+# The smallest pool of an engine started side by side: above the most sglang prefills at once
+# (its chunked prefill, 8192-16384 tokens), so that the pool never shapes a prefill batch
+# where an engine measured alone (a pool of MAX_POOL_TOKENS) would not.
 MIN_SIDE_BY_SIDE_POOL = 1 << 15
 
 

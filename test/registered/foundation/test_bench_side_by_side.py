@@ -216,7 +216,9 @@ def test_an_engine_group_stops_every_watchdog_before_it_kills_the_children(
     monkeypatch.setattr(
         sglang.srt.utils,
         "kill_process_tree",
-        lambda pid, include_parent=True, **kw: log.append(("kill", include_parent)),
+        lambda pid, include_parent=True, wait_timeout=None: log.append(
+            ("kill", include_parent, wait_timeout)
+        ),
     )
 
     with eng.engine_group() as start:
@@ -230,7 +232,7 @@ def test_an_engine_group_stops_every_watchdog_before_it_kills_the_children(
         ("start", "b"),
         ("stop", "a"),
         ("stop", "b"),
-        ("kill", False),
+        ("kill", False, 60),  # waits for the GPU to be let go
     ]
 
     log.clear()
@@ -238,7 +240,7 @@ def test_an_engine_group_stops_every_watchdog_before_it_kills_the_children(
         with eng.engine_group() as start:
             start(name="a")
             start(name="broken")
-    assert log == [("start", "a"), ("stop", "a"), ("kill", False)]
+    assert log == [("start", "a"), ("stop", "a"), ("kill", False, 60)]
 
 
 def test_live_tokens_cover_the_largest_batch_or_the_mixed_load(monkeypatch):

@@ -313,7 +313,9 @@ def engine_group() -> Iterator[Callable[..., object]]:
                 watchdog = e.tokenizer_manager._subprocess_watchdog
                 if watchdog is not None:
                     watchdog.stop()
-            kill_process_tree(os.getpid(), include_parent=False)
+            # As Engine.shutdown: wait until the schedulers have let go of the GPU, so that
+            # engines started next (another round) find its memory free.
+            kill_process_tree(os.getpid(), include_parent=False, wait_timeout=60)
 
 
 def free_server_port(rng: random.Random | None = None, attempts: int = 200) -> int:
