@@ -499,6 +499,7 @@ def measure_side_by_side(
         place_schedulers(every_scheduler, scheduler_cpu(pin, speeds))
         loads = [os.getloadavg()[0]]
         turns = Turns(engines, schedulers, repeats)
+        specs = {n: CONFIGS[split_config(n, attention_backend)[0]][0] for n in names}
         rows = []
         if mixed is not None:
             ramp = prompts(mixed.total_requests, vocab, seed=99)
@@ -507,9 +508,10 @@ def measure_side_by_side(
                 lambda e: eng.arrivals_generate(e, ramp, tokens, delays)
             )
             for name in names:
-                spec = CONFIGS[split_config(name, attention_backend)[0]][0]
                 rows.append(
-                    mixed_row(name, spec, mixed, runs[name], ramp, tokens, successor)
+                    mixed_row(
+                        name, specs[name], mixed, runs[name], ramp, tokens, successor
+                    )
                     | scheduler_use(usage[name])
                     | scheduler_placement(schedulers[name], speeds)
                 )
@@ -518,11 +520,10 @@ def measure_side_by_side(
             runs, usage = turns.take(lambda e: eng.generate(e, batch, max_new_tokens))
             firsts, _ = turns.take(lambda e: eng.generate(e, batch, 1))
             for name in names:
-                spec = CONFIGS[split_config(name, attention_backend)[0]][0]
                 rows.append(
                     batch_row(
                         name,
-                        spec,
+                        specs[name],
                         batch,
                         runs[name],
                         eng.fastest(firsts[name]),
@@ -931,19 +932,17 @@ def main() -> None:
     )
     for _ in range(args.rounds):
         if args.side_by_side:
-            groups = iter(
-                [
-                    measure_side_by_side(
-                        target,
-                        draft,
-                        names,
-                        batch_sizes,
-                        args.max_new_tokens,
-                        vocab,
-                        **common,
-                    )
-                ]
-            )
+            groups = [
+                measure_side_by_side(
+                    target,
+                    draft,
+                    names,
+                    batch_sizes,
+                    args.max_new_tokens,
+                    vocab,
+                    **common,
+                )
+            ]
         else:  # one engine after another, each measured while it is the only one
             groups = (
                 measure(
