@@ -417,6 +417,7 @@ def measure(
                 | scheduler_use(usage)
                 | scheduler_placement(schedulers, speeds)
             )
+            print_row(rows[-1])
         for bs in batch_sizes:
             # Best of `repeats`: these machines are noisy and we compare configs, not noise.
             batch = prompts(bs, vocab, seed=bs)
@@ -432,6 +433,7 @@ def measure(
                 | scheduler_use(usage)
                 | scheduler_placement(schedulers, speeds)
             )
+            print_row(rows[-1])
         loads.append(os.getloadavg()[0])
     if pin_scheduler != "none":  # the next engine's map and processes: every CPU again
         scheduler_host.move([psutil.Process()], set(HOST_CPUS))
@@ -515,6 +517,7 @@ def measure_side_by_side(
                     | scheduler_use(usage[name])
                     | scheduler_placement(schedulers[name], speeds)
                 )
+                print_row(rows[-1])
         for bs in batch_sizes:
             batch = prompts(bs, vocab, seed=bs)
             runs, usage = turns.take(lambda e: eng.generate(e, batch, max_new_tokens))
@@ -533,6 +536,7 @@ def measure_side_by_side(
                     | scheduler_use(usage[name])
                     | scheduler_placement(schedulers[name], speeds)
                 )
+                print_row(rows[-1])
         loads.append(os.getloadavg()[0])
     scheduler_host.move([psutil.Process()], set(HOST_CPUS))
     for r in rows:
@@ -651,6 +655,16 @@ def mixed_row(
         "accept_length": run.accept_length if spec else 1.0,
         "diverged": diverged_requests(run, ramp, successor, tokens),
     }
+
+
+def print_row(row: dict) -> None:
+    """One line for a row as soon as it is measured: the table comes at the end of a run,
+    and a device call cut by its time limit still shows the sizes it finished."""
+    print(
+        f"{row['config']} bs {row['bs']}: {row['tok_per_s']:.0f} tok/s, "
+        f"accept {row['accept_length']:.2f}, diverged {row['diverged']}",
+        flush=True,
+    )
 
 
 def scheduler_use(usage: scheduler_host.HostUsage) -> dict:

@@ -174,6 +174,31 @@ def test_side_by_side_runs_the_configs_in_turns(engines_without_a_gpu):
     assert len(first) == len(full)  # first-token runs in the same turns
 
 
+def test_side_by_side_prints_each_size_before_the_next_runs(
+    engines_without_a_gpu, monkeypatch, capsys
+):
+    # A device call cut by its time limit keeps what it printed: each finished size's rows.
+    printed_before_bs4 = []
+    generate = bench_e2e.eng.generate
+
+    def generate_noting_output(e, batch, n):
+        if len(batch) == 4 and not printed_before_bs4:
+            printed_before_bs4.append(capsys.readouterr().out)
+        return generate(e, batch, n)
+
+    monkeypatch.setattr(bench_e2e.eng, "generate", generate_noting_output)
+
+    bench_e2e.measure_side_by_side(
+        Path("/t"), Path("/d"), ["none", "chain"], [1, 4], 8, 100, repeats=2
+    )
+
+    # One fake run: 8 tokens of one request in 1 s.
+    assert "none bs 1: 8 tok/s, accept 1.00, diverged None" in printed_before_bs4[0]
+    assert "chain bs 1: 8 tok/s" in printed_before_bs4[0]
+    assert "bs 4" not in printed_before_bs4[0]
+    assert "chain bs 4: 32 tok/s" in capsys.readouterr().out
+
+
 def test_side_by_side_pins_where_asked(engines_without_a_gpu):
     bench_e2e.measure_side_by_side(
         Path("/t"), Path("/d"), ["none", "chain"], [1], 8, 100, pin_scheduler="3"
