@@ -41,7 +41,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from specpatch.gpu_host import vcpu_speed  # noqa: E402
 from specpatch.testing import engine as eng  # noqa: E402
-from specpatch.testing import scheduler_host, synth  # noqa: E402
+from specpatch.testing import scheduler_host, stack_sampler, synth  # noqa: E402
 
 CONFIGS = {
     "none": (None, {}),
@@ -457,6 +457,7 @@ def measure_side_by_side(
     successor: Optional[list[int]] = None,
     pin_scheduler: str = "fastest",
     freeze_gc: bool = False,
+    stacks_dir: Optional[Path] = None,
 ) -> list[dict]:
     """measure() for every config of `names` at once: all their engines up together, their
     schedulers on one CPU, the configs taking turns run by run.
@@ -466,12 +467,14 @@ def measure_side_by_side(
     one after another compare their CPUs as much as their configs. Here each run of one
     config sits between runs of the others, on the same CPU; an idle engine's scheduler
     sleeps (sglang's --sleep-on-idle) instead of spinning beside the one that runs. Each
-    round of runs starts with the next config, so none always runs first."""
+    round of runs starts with the next config, so none always runs first. With stacks_dir,
+    py-spy samples each config's schedulers over the runs (specpatch.testing.stack_sampler),
+    from the CPUs the schedulers are not on."""
     speeds = vcpu_speed.speed_map(HOST_CPUS)
     engines: dict[str, object] = {}
     schedulers: dict[str, list] = {}
     start_s: dict[str, float] = {}
-    with eng.engine_group() as start:
+    with eng.engine_group() as start, contextlib.ExitStack() as sampling:
         for name in names:
             config, _, _ = split_config(name, attention_backend)
             kwargs = engine_settings(
@@ -498,7 +501,15 @@ def measure_side_by_side(
                 engines[name].freeze_gc()
         every_scheduler = [p for procs in schedulers.values() for p in procs]
         pin = "fastest" if pin_scheduler == "none" else pin_scheduler
-        place_schedulers(every_scheduler, scheduler_cpu(pin, speeds))
+        cpu = scheduler_cpu(pin, speeds)
+        place_schedulers(every_scheduler, cpu)
+        if stacks_dir is not None:
+            # Stopped (files written) before the engines are.
+            sampling.enter_context(
+                stack_sampler.sampled(
+                    schedulers, stacks_dir, set(HOST_CPUS) - {cpu} or set(HOST_CPUS)
+                )
+            )
         loads = [os.getloadavg()[0]]
         turns = Turns(engines, schedulers, repeats)
         specs = {n: CONFIGS[split_config(n, attention_backend)[0]][0] for n in names}
@@ -865,6 +876,13 @@ def main() -> None:
         "differ and drift (docs/benchmarks.md); needs GPU memory for every engine at once",
     )
     parser.add_argument(
+        "--py-spy",
+        metavar="DIR",
+        help="with --side-by-side: sample each config's scheduler processes with py-spy over "
+        "the measured runs, into DIR/stacks-CONFIG-PID.txt (collapsed stacks; compare two "
+        "with benchmark/spec/stack_diff.py): which Python frames one engine adds per step",
+    )
+    parser.add_argument(
         "--freeze-gc",
         action="store_true",
         help="call sglang's freeze_gc once each engine is up (Engine.freeze_gc): the "
@@ -914,6 +932,13 @@ def main() -> None:
         parser.error(
             f"--prompt-len {args.prompt_len}: want MIN,MAX with 1 <= MIN <= MAX"
         )
+    if args.py_spy:
+        if not args.side_by_side:
+            parser.error("--py-spy samples the engines of --side-by-side")
+        try:
+            stack_sampler.py_spy_path()
+        except FileNotFoundError as e:
+            parser.error(f"--py-spy: {e}")
     names = args.configs.split(",")
     policies = policy_configs(names, args.attention_backend)
     if args.no_warm_up_engine and policies:
@@ -954,6 +979,7 @@ def main() -> None:
                     batch_sizes,
                     args.max_new_tokens,
                     vocab,
+                    stacks_dir=Path(args.py_spy) if args.py_spy else None,
                     **common,
                 )
             ]

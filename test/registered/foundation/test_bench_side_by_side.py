@@ -344,3 +344,41 @@ def test_side_by_side_pools_hold_the_live_requests(
         pool,
         pool,
     ]
+
+
+def test_py_spy_samples_each_configs_schedulers_over_the_runs_only(
+    engines_without_a_gpu, monkeypatch, tmp_path
+):
+    events = []
+
+    @contextlib.contextmanager
+    def sampled(processes, out_dir, cpus):
+        events.append(("sample", dict(processes), out_dir, cpus))
+        yield {}
+        events.append(("stop", len(engines_without_a_gpu.runs)))
+
+    monkeypatch.setattr(bench_e2e.stack_sampler, "sampled", sampled)
+
+    bench_e2e.measure_side_by_side(
+        Path("/t"), Path("/d"), ["none", "chain"], [4], 8, 100, stacks_dir=tmp_path
+    )
+
+    # After both engines started and their schedulers moved to CPU 2; from the other CPUs.
+    assert events[0] == (
+        "sample",
+        {"none": ["scheduler1"], "chain": ["scheduler2"]},
+        tmp_path,
+        {0, 1, 3},
+    )
+    assert engines_without_a_gpu.moves[0][1] == {2}
+    # Stopped after the last run (2 configs x (warm-up + 3 repeats) x full and first token).
+    assert events[1] == ("stop", 16)
+
+
+def test_py_spy_needs_side_by_side(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--py-spy", "/tmp/s"])
+
+    with pytest.raises(SystemExit):
+        bench_e2e.main()
+
+    assert "--py-spy samples the engines of --side-by-side" in capsys.readouterr().err
