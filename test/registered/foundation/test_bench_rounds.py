@@ -464,7 +464,12 @@ def test_each_row_records_its_engines_start_up_time(
     rows = bench_e2e.measure(Path("/t"), Path("/d"), "none", [1, 4], 8, 100)
 
     assert [r["engine_start_s"] for r in rows] == [87.2, 87.2]
-    assert capsys.readouterr().out == "none: engine started in 87 s\n"
+    # Then each size's row as it is measured (8 tokens of one request in the fake's second).
+    assert capsys.readouterr().out.splitlines() == [
+        "none: engine started in 87 s",
+        "none bs 1: 8 tok/s, accept 1.00, diverged None",
+        "none bs 4: 8 tok/s, accept 1.00, diverged None",
+    ]
 
 
 def test_freeze_gc_freezes_each_engine_once_it_is_up_and_rows_say_so(
