@@ -114,6 +114,9 @@ POLICY_TRACE: list[Optional[str]] = [None]
 # Prompt lengths, drawn uniformly per request (--prompt-len): the verify's prefix is a prompt
 # plus what the request has generated so far.
 PROMPT_LEN = [8, 64]
+# The batch sizes every engine captures CUDA graphs at (--cuda-graph-bs); empty: the run's
+# batch sizes, or sglang's list with a mixed load.
+CUDA_GRAPH_BS: list[int] = []
 # The CPUs this benchmark may use (its taskset), before --pin-scheduler moves anything.
 HOST_CPUS = sorted(os.sched_getaffinity(0))
 # sglang's log level in the engines (--engine-log-level): "info" logs how long each start-up
@@ -277,7 +280,8 @@ def engine_settings(
     exactly those sizes: sglang's default list for spec decoding up to bs 48 has 23 sizes,
     each captured for verify, draft and draft extend, which made engine start-up most of a
     benchmark's time. A batch that shrinks as its requests finish pads to the next size. A
-    mixed load runs every batch size, so it keeps sglang's list."""
+    mixed load runs every batch size, so it keeps sglang's list (23 sizes up to bs 64), unless
+    CUDA_GRAPH_BS (--cuda-graph-bs) names the sizes for every engine."""
     config, backend, page_size = split_config(name, attention_backend)
     spec, _ = CONFIGS[config]
     extra = {}
@@ -290,7 +294,9 @@ def engine_settings(
         )
     if config in VERIFY_BACKENDS:
         extra["prefill_attention_backend"] = VERIFY_BACKENDS[config]
-    if mixed is None:
+    if CUDA_GRAPH_BS:
+        extra["cuda_graph_bs"] = list(CUDA_GRAPH_BS)
+    elif mixed is None:
         extra["cuda_graph_bs"] = sorted(set(batch_sizes))
     extra["log_level"] = ENGINE_LOG_LEVEL[0]
     return eng.engine_kwargs(
@@ -876,6 +882,13 @@ def main() -> None:
         "differ and drift (docs/benchmarks.md); needs GPU memory for every engine at once",
     )
     parser.add_argument(
+        "--cuda-graph-bs",
+        help="B1,B2,...: the batch sizes every engine captures CUDA graphs at, up to the "
+        "run's largest batch (default: the run's batch sizes, or with --mixed-load sglang's "
+        "23 sizes, whose captures made five engines' start-up 276 s); a batch between two "
+        "pads to the next",
+    )
+    parser.add_argument(
         "--py-spy",
         metavar="DIR",
         help="with --side-by-side: sample each config's scheduler processes with py-spy over "
@@ -939,6 +952,16 @@ def main() -> None:
             stack_sampler.py_spy_path()
         except FileNotFoundError as e:
             parser.error(f"--py-spy: {e}")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]  # "": mixed only
+    mixed = MixedLoad.parse(args.mixed_load) if args.mixed_load else None
+    if args.cuda_graph_bs:
+        CUDA_GRAPH_BS[:] = sorted({int(b) for b in args.cuda_graph_bs.split(",")})
+        largest = max([*batch_sizes, mixed.total_requests if mixed else 0])
+        if CUDA_GRAPH_BS[-1] < largest:
+            parser.error(
+                f"--cuda-graph-bs {args.cuda_graph_bs}: the run reaches bs {largest}, "
+                "which would run without CUDA graphs"
+            )
     names = args.configs.split(",")
     policies = policy_configs(names, args.attention_backend)
     if args.no_warm_up_engine and policies:
@@ -950,11 +973,9 @@ def main() -> None:
     vocab = synth.load_meta(target)["spec"]["vocab"]
     # Every greedy output is checked against the target's table: an A/B is an identity run.
     successor = greedy_table(target)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]  # "": mixed only
     # The first engine in a process pays one-time costs (kernel JIT and autotune caches) that
     # otherwise favour whichever config is measured later: start and discard one first.
     backend = {"attention_backend": args.attention_backend}
-    mixed = MixedLoad.parse(args.mixed_load) if args.mixed_load else None
     if not args.no_warm_up_engine:
         warm_jit_caches(
             target, draft, names, batch_sizes, vocab, args.attention_backend, mixed

@@ -178,6 +178,34 @@ def test_a_mixed_load_keeps_sglangs_graph_sizes_and_sorts_last(monkeypatch):
     ]
 
 
+def test_cuda_graph_bs_names_every_engines_sizes_a_mixed_load_included(monkeypatch):
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    monkeypatch.setattr(bench_e2e, "CUDA_GRAPH_BS", [1, 2, 4, 8, 16, 32, 64])
+    mixed = bench_e2e.MixedLoad.parse("64:1.5")
+
+    for load in (mixed, None):
+        kwargs = bench_e2e.engine_settings(
+            Path("/t"), Path("/d"), "chain", [1, 4], "triton", load
+        )
+        assert kwargs["cuda_graph_bs"] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_cuda_graph_bs_below_the_runs_largest_batch_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(bench_e2e, "CUDA_GRAPH_BS", [])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["bench_e2e.py", "--batch-sizes", "", "--mixed-load", "64:1.5:4x1024"]
+        + ["--cuda-graph-bs", "1,8,32"],
+    )
+
+    with pytest.raises(SystemExit):
+        bench_e2e.main()
+
+    # 64 ramp requests and 4 long ones: bs 68 would run eagerly.
+    assert "the run reaches bs 68" in capsys.readouterr().err
+
+
 def test_a_mixed_load_with_a_long_tail_sends_the_long_requests_first(monkeypatch):
     monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
     mixed = bench_e2e.MixedLoad.parse("4:2:2x1024")
