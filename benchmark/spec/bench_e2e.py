@@ -464,6 +464,7 @@ def measure_side_by_side(
     pin_scheduler: str = "fastest",
     freeze_gc: bool = False,
     stacks_dir: Optional[Path] = None,
+    deadline: Optional["Deadline"] = None,
 ) -> list[dict]:
     """measure() for every config of `names` at once: all their engines up together, their
     schedulers on one CPU, the configs taking turns run by run.
@@ -475,7 +476,8 @@ def measure_side_by_side(
     sleeps (sglang's --sleep-on-idle) instead of spinning beside the one that runs. Each
     round of runs starts with the next config, so none always runs first. With stacks_dir,
     py-spy samples each config's schedulers over the runs (specpatch.testing.stack_sampler),
-    from the CPUs the schedulers are not on."""
+    from the CPUs the schedulers are not on. With a deadline, a load (the mixed one, then
+    each batch size) that would not end in time is not started, nor any after it."""
     speeds = vcpu_speed.speed_map(HOST_CPUS)
     engines: dict[str, object] = {}
     schedulers: dict[str, list] = {}
@@ -520,7 +522,8 @@ def measure_side_by_side(
         turns = Turns(engines, schedulers, repeats)
         specs = {n: CONFIGS[split_config(n, attention_backend)[0]][0] for n in names}
         rows = []
-        if mixed is not None:
+        deadline = deadline or Deadline(None)
+        if mixed is not None and deadline.next_fits(mixed.label):
             ramp = prompts(mixed.total_requests, vocab, seed=99)
             delays, tokens = mixed.arrivals(max_new_tokens)
             runs, usage = turns.take(
@@ -536,6 +539,8 @@ def measure_side_by_side(
                 )
                 print_row(rows[-1])
         for bs in batch_sizes:
+            if not deadline.next_fits(f"bs {bs}"):
+                break
             batch = prompts(bs, vocab, seed=bs)
             runs, usage = turns.take(lambda e: eng.generate(e, batch, max_new_tokens))
             firsts, _ = turns.take(lambda e: eng.generate(e, batch, 1))
@@ -587,6 +592,41 @@ def live_tokens(
         _, tokens = mixed.arrivals(max_new_tokens)
         needs.append(sum(per_request + n for n in tokens))
     return max(needs)
+
+
+class Deadline:
+    """When a side-by-side run stops starting loads: `limit_s` seconds after it was made (None:
+    never). Each load is assumed to take as long as the one before it (the mixed load, then
+    batch sizes in growing order), so one that would end past the limit is not started: a
+    device call's time limit otherwise kills the run, its table and what the call does after
+    it."""
+
+    def __init__(
+        self, limit_s: Optional[float], clock: Callable[[], float] = time.monotonic
+    ):
+        self._clock = clock
+        self._end = None if limit_s is None else clock() + limit_s
+        self._previous_start: Optional[float] = None
+        self._previous_s = 0.0
+        self.expired = False
+
+    def next_fits(self, label: str) -> bool:
+        """Called as each load is about to start; False (and every later call False, with
+        one printed line) once this one would end past the limit."""
+        now = self._clock()
+        if self._previous_start is not None:
+            self._previous_s = now - self._previous_start
+        self._previous_start = now
+        if self._end is not None and not self.expired:
+            self.expired = now + self._previous_s > self._end
+            if self.expired:
+                print(
+                    f"--time-limit: {label} and the loads after it not measured "
+                    f"({self._end - now:.0f} s left, the last load took "
+                    f"{self._previous_s:.0f} s)",
+                    flush=True,
+                )
+        return not self.expired
 
 
 class Turns:
@@ -889,6 +929,15 @@ def main() -> None:
         "pads to the next",
     )
     parser.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="SECONDS",
+        help="with --side-by-side: start no load (the mixed load, a batch size) that would "
+        "end more than SECONDS after this benchmark started, guessing each takes as long as "
+        "the one before; the run then prints and writes what it measured, inside a device "
+        "call's limit",
+    )
+    parser.add_argument(
         "--py-spy",
         metavar="DIR",
         help="with --side-by-side: sample each config's scheduler processes with py-spy over "
@@ -945,6 +994,9 @@ def main() -> None:
         parser.error(
             f"--prompt-len {args.prompt_len}: want MIN,MAX with 1 <= MIN <= MAX"
         )
+    deadline = Deadline(args.time_limit)
+    if args.time_limit is not None and not args.side_by_side:
+        parser.error("--time-limit cuts the loads of --side-by-side")
     if args.py_spy:
         if not args.side_by_side:
             parser.error("--py-spy samples the engines of --side-by-side")
@@ -1001,6 +1053,7 @@ def main() -> None:
                     args.max_new_tokens,
                     vocab,
                     stacks_dir=Path(args.py_spy) if args.py_spy else None,
+                    deadline=deadline,
                     **common,
                 )
             ]

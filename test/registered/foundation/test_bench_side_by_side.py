@@ -382,3 +382,68 @@ def test_py_spy_needs_side_by_side(monkeypatch, capsys):
         bench_e2e.main()
 
     assert "--py-spy samples the engines of --side-by-side" in capsys.readouterr().err
+
+
+class FakeClock:
+    def __init__(self, *times):
+        self.times = iter(times)
+
+    def __call__(self):
+        return next(self.times)
+
+
+def test_a_deadline_cuts_at_the_first_load_that_would_pass_it(capsys):
+    # Loads start at 10, 40 (the first took 30 s) and 75 (the second took 35 s).
+    deadline = bench_e2e.Deadline(100, clock=FakeClock(0, 10, 40, 75, 76))
+
+    assert deadline.next_fits("bs 1")  # 10 + 0
+    assert deadline.next_fits("bs 4")  # 40 + 30 = 70
+    assert not deadline.next_fits("bs 16")  # 75 + 35 = 110 > 100
+    assert not deadline.next_fits("bs 48")  # and nothing after it
+    out = capsys.readouterr().out
+    assert out == (
+        "--time-limit: bs 16 and the loads after it not measured (25 s left, the last "
+        "load took 35 s)\n"
+    )
+
+
+def test_without_a_limit_every_load_fits():
+    deadline = bench_e2e.Deadline(None, clock=FakeClock(0, 1e9, 2e9))
+
+    assert deadline.next_fits("bs 1") and deadline.next_fits("bs 4")
+
+
+def test_side_by_side_stops_at_the_deadline_and_keeps_the_sizes_it_measured(
+    engines_without_a_gpu,
+):
+    # Made at 0 with 50 s; bs 1 starts at 10, bs 4 at 30 (bs 1 took 20 s): 30 + 20 = 50
+    # fits; bs 16 at 55 would end past it.
+    deadline = bench_e2e.Deadline(50, clock=FakeClock(0, 10, 30, 55))
+
+    rows = bench_e2e.measure_side_by_side(
+        Path("/t"),
+        Path("/d"),
+        ["none", "chain"],
+        [1, 4, 16],
+        8,
+        100,
+        repeats=2,
+        deadline=deadline,
+    )
+
+    assert [(r["config"], r["bs"]) for r in rows] == [
+        ("none", 1),
+        ("chain", 1),
+        ("none", 4),
+        ("chain", 4),
+    ]
+    assert {bs for _, bs, _ in engines_without_a_gpu.runs} == {1, 4}
+
+
+def test_time_limit_needs_side_by_side(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--time-limit", "500"])
+
+    with pytest.raises(SystemExit):
+        bench_e2e.main()
+
+    assert "--time-limit cuts the loads of --side-by-side" in capsys.readouterr().err
