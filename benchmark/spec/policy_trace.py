@@ -1,6 +1,9 @@
 """Summarise a shape policy trace (the "trace" file of --speculative-adaptive-config, as
 bench_e2e.py --policy-trace writes it): what the policy ran at each batch size, how long its
 steps took, where it switched, and its slow steps with the Triton compiles logged beside them.
+A step's time is its device span (first launch to last); where the trace has the host's clock
+per result ("t"), each cell also gets its period: the median interval between results of
+consecutive steps of one shape at one batch size, host work included.
 
     python benchmark/spec/policy_trace.py trace.jsonl [--slow-ms 30]
 
@@ -22,6 +25,9 @@ from pathlib import Path
 class TraceSummary:
     # (bs, shape label) -> device seconds of each measured step
     step_seconds: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+    # (bs, shape label) -> host seconds from the result of the step before (same shape and
+    # batch size, the step numbered one less, no switch between) to this step's result
+    periods: dict[tuple[int, str], list[float]] = field(default_factory=dict)
     switches: list[tuple[int, str, str, int]] = field(default_factory=list)
     # (step, bs, shape, milliseconds, compiles logged on that line and the one before)
     slow_steps: list[tuple[int, int, str, float, list]] = field(default_factory=list)
@@ -41,6 +47,7 @@ def summarise(lines: list[dict], slow_ms: float = 30.0) -> TraceSummary:
     is shown with the compiles of both lines."""
     summary = TraceSummary()
     previous_compiles: list = []
+    previous_result = None
     for line in lines:
         compiles = line.get("compiles", [])
         for kernel, ms in compiles:
@@ -49,7 +56,12 @@ def summarise(lines: list[dict], slow_ms: float = 30.0) -> TraceSummary:
         if "switch" in line:
             old, new = line["switch"]
             summary.switches.append((line["step"], old, new, line["bs"]))
+            previous_result = None
             continue
+        period = step_period(previous_result, line)
+        if period is not None:
+            summary.periods.setdefault((line["bs"], line["shape"]), []).append(period)
+        previous_result = line
         seconds = line.get("seconds")
         if seconds is None:
             continue
@@ -68,14 +80,35 @@ def summarise(lines: list[dict], slow_ms: float = 30.0) -> TraceSummary:
     return summary
 
 
+def step_period(previous: dict | None, line: dict) -> float | None:
+    """Host seconds between two result lines of consecutive steps of one shape at one batch
+    size (None otherwise, or without the host's clock)."""
+    if previous is None or "t" not in line or "t" not in previous:
+        return None
+    if (previous["shape"], previous["bs"]) != (line["shape"], line["bs"]):
+        return None
+    if line["step"] != previous["step"] + 1:
+        return None
+    return line["t"] - previous["t"]
+
+
 def print_summary(summary: TraceSummary, min_steps: int = 5) -> None:
-    print("steps by batch size and shape (count, median and max ms):")
+    print(
+        "steps by batch size and shape (count, device span median and max ms, "
+        "period median ms where the trace has the host's clock):"
+    )
     for (bs, shape), seconds in sorted(summary.step_seconds.items()):
         if len(seconds) >= min_steps:
+            periods = summary.periods.get((bs, shape), [])
             print(
                 f"  bs {bs:>3} {shape:>8}: {len(seconds):>4} steps, "
                 f"median {statistics.median(seconds) * 1000:7.2f}, "
                 f"max {max(seconds) * 1000:8.1f}"
+                + (
+                    f", period {statistics.median(periods) * 1000:7.2f}"
+                    if periods
+                    else ""
+                )
             )
     shapes = collections.Counter()
     for (_, shape), seconds in summary.step_seconds.items():

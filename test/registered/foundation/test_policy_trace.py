@@ -59,3 +59,37 @@ def test_gzipped_traces_are_read(tmp_path, capsys):
     assert "bs   4    1,3,4:    3 steps" in out
     assert "step 4: bs 4 1,3,4 415.0 ms | compiled: assign_req_to_token_pool" in out
     assert "Triton compiles logged: 1, 412 ms in all" in out
+
+
+def test_periods_are_host_intervals_between_consecutive_steps_of_one_cell(capsys):
+    lines = [
+        {"step": 1, "shape": "1,3,4", "bs": 4, "seconds": 0.003, "t": 10.000},
+        {"step": 2, "shape": "1,3,4", "bs": 4, "seconds": 0.003, "t": 10.005},
+        {"step": 3, "shape": "1,3,4", "bs": 4, "seconds": 0.003, "t": 10.011},
+        # A prefill came between (no decode step 4 here): not a period.
+        {"step": 5, "shape": "1,3,4", "bs": 4, "seconds": 0.003, "t": 10.060},
+        {
+            "step": 6,
+            "shape": "1,3,4",
+            "bs": 5,
+            "seconds": 0.003,
+            "t": 10.066,
+        },  # bs grew
+        {"step": 7, "switch": ["1,3,4", "4,3,8"], "bs": 5},
+        {"step": 7, "shape": "4,3,8", "bs": 5, "seconds": 0.004, "t": 10.074},
+        {"step": 8, "shape": "4,3,8", "bs": 5, "seconds": 0.004, "t": 10.081},
+        {"step": 9, "shape": "4,3,8", "bs": 5, "seconds": 0.004},  # an older trace line
+    ]
+
+    summary = policy_trace.summarise(lines)
+
+    assert summary.periods.keys() == {(4, "1,3,4"), (5, "4,3,8")}
+    assert summary.periods[4, "1,3,4"] == [pytest.approx(0.005), pytest.approx(0.006)]
+    assert summary.periods[5, "4,3,8"] == [pytest.approx(0.007)]
+    policy_trace.print_summary(summary, min_steps=1)
+    out = capsys.readouterr().out
+    assert (
+        "bs   4    1,3,4:    4 steps, median    3.00, max      3.0, period    5.50"
+        in out
+    )
+    assert "bs   5    1,3,4:    1 steps, median    3.00, max      3.0\n" in out

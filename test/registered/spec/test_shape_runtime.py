@@ -3,6 +3,7 @@ the per-step switch, with a fake worker (docs/shape-policy.md)."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import re
@@ -823,6 +824,22 @@ def test_the_trace_says_what_each_result_taught_the_policy(tmp_path):
         controller.policy.score(WIDE, 2), abs=0.01
     )
     assert set(result["scores"]) == {"16,3,32", "4,3,8"}
+    # When the host read the result: intervals between results are the loop's period.
+    assert isinstance(result["t"], float) and "t" not in lines[0]
+
+
+def test_result_lines_carry_the_host_clock_switch_lines_do_not():
+    stream = io.StringIO()
+    trace = rt.ShapeTrace(stream, wall_clock=iter([12.5, 12.5042]).__next__)
+    launch = rt._Launch(WIDE, 4, step=3)
+
+    trace.result(launch, 3e-3, 2.5, {"16,3,32": 1.0})
+    trace.switch(4, WIDE, NARROW, 4)
+    trace.result(rt._Launch(NARROW, 4, step=4), None, 2.0, {"4,3,8": 1.0})
+
+    first, switch, second = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert (first["t"], second["t"]) == (12.5, 12.5042)
+    assert "t" not in switch
 
 
 def test_a_trace_in_a_missing_directory_is_refused_at_start_up(tmp_path):

@@ -22,6 +22,7 @@ import collections
 import functools
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Deque, Mapping, Optional, Protocol, TextIO
@@ -463,11 +464,22 @@ class ShapeTrace:
     milliseconds] each), the Triton kernel variants this process compiled or loaded since
     the line before: a step that took hundreds of milliseconds names what it waited for.
     Under the overlap scheduler a result line is written after the next step launched, so
-    the compiles of that launch are on the line written before its own result's."""
+    the compiles of that launch are on the line written before its own result's.
 
-    def __init__(self, stream: TextIO, compiles: Optional["JitCompileLog"] = None):
+    A result line also has "t", the host's monotonic clock when the result was read: in a run
+    of steps of one shape, the interval between two results is the step's period as the
+    decode loop runs it (host work included), where "seconds" is the device's span of the
+    step's launches only."""
+
+    def __init__(
+        self,
+        stream: TextIO,
+        compiles: Optional["JitCompileLog"] = None,
+        wall_clock: Callable[[], float] = time.monotonic,
+    ):
         self._stream = stream
         self._compiles = compiles
+        self._wall_clock = wall_clock
 
     @classmethod
     def open(cls, path: str, tp_rank: int = 0) -> "ShapeTrace":
@@ -491,6 +503,7 @@ class ShapeTrace:
             seconds=seconds,
             accept=round(accept_length, 3),
             scores={label: round(v, 2) for label, v in scores.items()},
+            t=round(self._wall_clock(), 6),
         )
 
     def switch(self, step: int, old: Shape, new: Shape, bs: int) -> None:
