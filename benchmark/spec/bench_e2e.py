@@ -1043,6 +1043,8 @@ def main() -> None:
         **backend,
     )
     for _ in range(args.rounds):
+        if deadline.expired:  # a round's engines would start only to measure nothing
+            break
         if args.side_by_side:
             groups = [
                 measure_side_by_side(

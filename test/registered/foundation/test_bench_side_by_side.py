@@ -447,3 +447,29 @@ def test_time_limit_needs_side_by_side(monkeypatch, capsys):
         bench_e2e.main()
 
     assert "--time-limit cuts the loads of --side-by-side" in capsys.readouterr().err
+
+
+def test_no_round_starts_its_engines_after_the_deadline_expired(monkeypatch):
+    monkeypatch.setattr(bench_e2e, "ensure_pair", lambda *a: (Path("/t"), Path("/d")))
+    monkeypatch.setattr(
+        bench_e2e.synth,
+        "load_meta",
+        lambda p: {"spec": {"vocab": 100}, "num_params": 1e9, "agreement": 0.7},
+    )
+    monkeypatch.setattr(bench_e2e, "greedy_table", lambda target: None)
+    rounds = []
+
+    def measure_side_by_side(*args, deadline, **kwargs):
+        rounds.append(deadline)
+        deadline.expired = True  # this round's last load did not fit
+        row = {"config": "none", "bs": 1, "tok_per_s": 100.0, "accept_length": 1.0}
+        return [row, {**row, "config": "chain"}]
+
+    monkeypatch.setattr(bench_e2e, "measure_side_by_side", measure_side_by_side)
+    argv = ["bench_e2e.py", "--configs", "none,chain", "--batch-sizes", "1"]
+    argv += ["--side-by-side", "--rounds", "3", "--time-limit", "500"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--no-warm-up-engine"])
+
+    bench_e2e.main()
+
+    assert len(rounds) == 1
