@@ -82,6 +82,8 @@ class FakeSampler:
 
     def __init__(self, cmd, stdout=None, stderr=None):
         self.cmd = cmd
+        self.log = Path(stdout.name)  # py-spy's own messages go to a file
+        self.stderr_to_log = stderr == stack_sampler.subprocess.STDOUT
         self.pid = 9000 + len(FakeSampler.started)
         self.signals = []
         self.waited = False
@@ -134,6 +136,9 @@ def test_every_scheduler_is_sampled_off_the_schedulers_cpu_until_the_block_ends(
     assert first[first.index("--rate") + 1] == "100"
     assert first[first.index("--output") + 1] == str(files["policy"][0])
     assert fake_py_spy.affinity == {9000: {0, 1}, 9001: {0, 1}, 9002: {0, 1}}
+    # What py-spy says (e.g. that ptrace was refused) is kept beside its samples.
+    assert fake_py_spy.started[0].log == tmp_path / "s" / "stacks-policy-11.log"
+    assert all(s.stderr_to_log for s in fake_py_spy.started)
     # py-spy writes its file on SIGINT: every sampler asked, then waited for.
     assert all(s.signals == [signal.SIGINT] and s.waited for s in fake_py_spy.started)
 

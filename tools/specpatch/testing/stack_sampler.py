@@ -72,9 +72,10 @@ def sampled(
     rate: int = DEFAULT_RATE,
 ) -> Iterator[dict[str, list[Path]]]:
     """Sample every process of `processes` (name -> its processes) until the block ends,
-    each into out_dir / f"stacks-{name}-{pid}.txt"; the samplers run on `cpus` only (keep
-    them off the CPU the sampled schedulers share). Yields the files by name; they are
-    written when the block exits (py-spy writes on SIGINT)."""
+    each into out_dir / f"stacks-{name}-{pid}.txt", py-spy's own output beside it in
+    ".log" (where it says why it could not attach, e.g. ptrace refused); the samplers run on
+    `cpus` only (keep them off the CPU the sampled schedulers share). Yields the files by
+    name; they are written when the block exits (py-spy writes on SIGINT)."""
     executable = py_spy_path()
     out_dir.mkdir(parents=True, exist_ok=True)
     files: dict[str, list[Path]] = {name: [] for name in processes}
@@ -83,11 +84,12 @@ def sampled(
         for name, procs in processes.items():
             for proc in procs:
                 out = out_dir / f"stacks-{name}-{proc.pid}.txt"
-                sampler = subprocess.Popen(
-                    record_command(executable, proc.pid, out, rate),
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+                with open(out.with_suffix(".log"), "w") as log:
+                    sampler = subprocess.Popen(
+                        record_command(executable, proc.pid, out, rate),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
                 samplers.append(sampler)
                 os.sched_setaffinity(sampler.pid, cpus)
                 files[name].append(out)
