@@ -623,15 +623,10 @@ def test_skipping_the_warm_up_engine_is_refused_with_a_policy_config(monkeypatch
     assert exit_info.value.code == 2  # argparse's usage error
 
 
-def test_skipping_the_warm_up_engine_starts_only_the_measured_ones(monkeypatch):
+def test_skipping_the_warm_up_engine_starts_only_the_measured_ones(
+    bench_without_models, monkeypatch
+):
     started = []
-    monkeypatch.setattr(bench_e2e, "ensure_pair", lambda *a: (Path("/t"), Path("/d")))
-    monkeypatch.setattr(
-        bench_e2e.synth,
-        "load_meta",
-        lambda p: {"spec": {"vocab": 100}, "num_params": 1e9, "agreement": 0.7},
-    )
-    monkeypatch.setattr(bench_e2e, "greedy_table", lambda target: None)
     monkeypatch.setattr(
         bench_e2e, "warm_jit_caches", lambda *a: started.append("warm-up")
     )

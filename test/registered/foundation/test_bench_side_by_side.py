@@ -449,14 +449,9 @@ def test_time_limit_needs_side_by_side(monkeypatch, capsys):
     assert "--time-limit cuts the loads of --side-by-side" in capsys.readouterr().err
 
 
-def test_no_round_starts_its_engines_after_the_deadline_expired(monkeypatch):
-    monkeypatch.setattr(bench_e2e, "ensure_pair", lambda *a: (Path("/t"), Path("/d")))
-    monkeypatch.setattr(
-        bench_e2e.synth,
-        "load_meta",
-        lambda p: {"spec": {"vocab": 100}, "num_params": 1e9, "agreement": 0.7},
-    )
-    monkeypatch.setattr(bench_e2e, "greedy_table", lambda target: None)
+def test_no_round_starts_its_engines_after_the_deadline_expired(
+    bench_without_models, monkeypatch
+):
     rounds = []
 
     def measure_side_by_side(*args, deadline, **kwargs):
