@@ -17,6 +17,20 @@ if [ -f "$ipython_shim" ] && ! grep -q version_info "$ipython_shim"; then
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu-site .whl/*.whl 2>&1 | grep -v WARNING
+  # pip --target leaves out a wheel's scripts (py-spy is one): they go to /tmp/gpu-site/bin.
+  python3 - .whl/*.whl <<'PY'
+import os, sys, zipfile
+os.makedirs("/tmp/gpu-site/bin", exist_ok=True)
+for wheel in sys.argv[1:]:
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            if ".data/scripts/" in name and not name.endswith("/"):
+                dest = os.path.join("/tmp/gpu-site/bin", os.path.basename(name))
+                with open(dest, "wb") as f:
+                    f.write(zf.read(name))
+                os.chmod(dest, 0o755)
+PY
+  export PATH=/tmp/gpu-site/bin:$PATH
 fi
 if [ -f .flashinfer/manifest.json ]; then
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage install .flashinfer || return 1
