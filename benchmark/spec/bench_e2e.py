@@ -888,8 +888,8 @@ def main() -> None:
     parser.add_argument(
         "--no-warm-up-engine",
         action="store_true",
-        help="do not start the discarded first engine (fixed configs only; a policy config "
-        "needs its warm-up cycling): each cell is already the best of --repeats runs, so the "
+        help="do not start the discarded first engine (a policy config needs its warm-up "
+        "cycling unless --side-by-side): each cell is already the best of --repeats runs, so the "
         "first engine's compiles cost it a run, not its result; for device calls one more "
         "engine start does not fit",
     )
@@ -1016,9 +1016,13 @@ def main() -> None:
             )
     names = args.configs.split(",")
     policies = policy_configs(names, args.attention_backend)
-    if args.no_warm_up_engine and policies:
+    if args.no_warm_up_engine and policies and not args.side_by_side:
+        # One after another, the policy's first steps at each (shape, size) compile kernels
+        # for the fixed shapes measured after it; side by side, every config's first run at
+        # each size pays its own, and the best of --repeats drops that run for all alike.
         parser.error(
-            f"--no-warm-up-engine: {policies} need the warm-up engine's cycling"
+            f"--no-warm-up-engine: {policies} need the warm-up engine's cycling "
+            "(or --side-by-side)"
         )
 
     target, draft = ensure_pair(args.models, args.preset, args.agreement)

@@ -623,6 +623,27 @@ def test_skipping_the_warm_up_engine_is_refused_with_a_policy_config(monkeypatch
     assert exit_info.value.code == 2  # argparse's usage error
 
 
+def test_side_by_side_policy_runs_without_the_warm_up_engine(
+    bench_without_models, monkeypatch
+):
+    started = []
+    monkeypatch.setattr(
+        bench_e2e, "warm_jit_caches", lambda *a: started.append("warm-up")
+    )
+
+    def measure_side_by_side(target, draft, names, *args, **kwargs):
+        started.extend(names)
+        row = {"config": "chain", "bs": 1, "tok_per_s": 100.0, "accept_length": 1.0}
+        return [row, {**row, "config": "policy"}]
+
+    monkeypatch.setattr(bench_e2e, "measure_side_by_side", measure_side_by_side)
+    argv = ["bench_e2e.py", "--configs", "chain,policy", "--batch-sizes", "1"]
+    argv += ["--side-by-side", "--no-warm-up-engine"]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_e2e.main()
+    assert started == ["chain", "policy"]
+
+
 def test_skipping_the_warm_up_engine_starts_only_the_measured_ones(
     bench_without_models, monkeypatch
 ):
