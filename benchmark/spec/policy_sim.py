@@ -9,14 +9,21 @@ server. The result is the policy's margin over the best fixed shape with no engi
 no switch cost and no timing noise: what a GPU run of the same load can hope to show.
 
     python benchmark/spec/policy_sim.py --rows results.json --mixed-load 64:1.5:4x1024
+    python benchmark/spec/policy_sim.py --rows results.json --batch-sizes 1,4,16,48,64 --seeds 20
 
-Loads are bench_e2e's --mixed-load (REQUESTS:RAMP_SECONDS[:LONGxTOKENS]).
+Loads are bench_e2e's --mixed-load (REQUESTS:RAMP_SECONDS[:LONGxTOKENS]), or its fixed batch
+sizes as bench_e2e runs them (--repeats batches of each size in turn, one policy throughout).
+With --seeds, each request's accepted tokens in a step are a random draw around the shape's
+measured mean, as on a GPU, where they are what the policy learns accept lengths from; the
+table then gives the policy's worst and mean ratio over the seeds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +82,22 @@ def measured_costs(rows: list[dict], backend: str = "triton") -> MeasuredCosts:
 class Replay:
     tok_per_s: float
     steps_by_shape: dict[str, int]
+    seconds: float = 0.0
+
+
+# One request's accepted tokens in a step of a speculating shape.
+AcceptDraw = Callable[[Shape], float]
+
+
+def binomial_draws(costs: MeasuredCosts, rng: random.Random) -> AcceptDraw:
+    """1 + Binomial(num_steps, q) tokens, q making the mean the shape's measured accept
+    length: a request accepts 0 .. num_steps drafts and the bonus token."""
+
+    def draw(shape: Shape) -> float:
+        q = (costs.accept_length[shape] - 1) / shape.num_steps
+        return 1 + sum(rng.random() < q for _ in range(shape.num_steps))
+
+    return draw
 
 
 def replay(
@@ -82,10 +105,12 @@ def replay(
     delays: list[float],
     tokens: list[int],
     choose: Callable[[int], Shape],
-    observe: Optional[Callable[[Shape, int, float], None]] = None,
+    observe: Optional[Callable[[Shape, int, float, list[float]], None]] = None,
+    draw: Optional[AcceptDraw] = None,
 ) -> Replay:
     """Decode the load step by step: each step runs choose(bs) on every request present, costs
-    what the table says, and commits the shape's accept length to each request."""
+    what the table says, and commits to each request the shape's accept length (or, with
+    draw, a draw of it per request)."""
     arrivals = sorted(zip(delays, tokens))
     left: dict[int, float] = {}
     now, arrived, finished, steps = 0.0, 0, 0, {}
@@ -99,52 +124,135 @@ def replay(
         bs = len(left)
         shape = choose(bs)
         seconds = costs.seconds(shape, bs)
-        if observe is not None:
-            observe(shape, bs, seconds)
         now += seconds
         steps[shape.label] = steps.get(shape.label, 0) + 1
-        for request in list(left):
-            left[request] -= costs.accept_length[shape]
+        accepted = [
+            draw(shape) if draw and shape.speculates else costs.accept_length[shape]
+            for _ in left
+        ]
+        if observe is not None:
+            observe(shape, bs, seconds, accepted)
+        for request, n in zip(list(left), accepted):
+            left[request] -= n
             if left[request] <= 0:
                 del left[request]
                 finished += 1
-    return Replay(sum(tokens) / now, steps)
+    return Replay(sum(tokens) / now, steps, now)
+
+
+def server_policy(shapes: list[Shape]) -> ShapePolicy:
+    """The policy as a server starts it: no step costs given, first shape first."""
+    config = PolicyConfig(shapes=tuple(shapes))
+    return ShapePolicy(config, StepCostTable({}, config.ema_alpha), shapes[0])
+
+
+def policy_observer(policy: ShapePolicy):
+    def observe(shape: Shape, bs: int, seconds: float, accepted: list[float]) -> None:
+        policy.observe_step_time(shape, bs, seconds)
+        policy.observe_accept(shape, accepted)
+
+    return observe
 
 
 def replay_policy(
-    costs: MeasuredCosts, shapes: list[Shape], delays: list[float], tokens: list[int]
+    costs: MeasuredCosts,
+    shapes: list[Shape],
+    delays: list[float],
+    tokens: list[int],
+    draw: Optional[AcceptDraw] = None,
 ) -> Replay:
-    """The policy as a server runs it: no step costs given, first shape first, learning the
-    cost and accept length of each step it runs."""
-    config = PolicyConfig(shapes=tuple(shapes))
-    policy = ShapePolicy(config, StepCostTable({}, config.ema_alpha), shapes[0])
-
-    def observe(shape: Shape, bs: int, seconds: float) -> None:
-        policy.observe_step_time(shape, bs, seconds)
-        # The mean is what the policy keeps; one value carries it exactly.
-        policy.observe_accept(shape, [costs.accept_length[shape]])
-
-    return replay(costs, delays, tokens, policy.choose, observe)
+    """The policy as a server runs it, learning the cost and accept length of each step it
+    runs."""
+    policy = server_policy(shapes)
+    return replay(costs, delays, tokens, policy.choose, policy_observer(policy), draw)
 
 
 def compare(
-    costs: MeasuredCosts, shapes: list[Shape], delays: list[float], tokens: list[int]
+    costs: MeasuredCosts,
+    shapes: list[Shape],
+    delays: list[float],
+    tokens: list[int],
+    draw: Optional[AcceptDraw] = None,
 ) -> dict[str, Replay]:
     """Each fixed shape of the set, then "policy"."""
     runs = {
-        s.label: replay(costs, delays, tokens, lambda bs, s=s: s)
+        s.label: replay(costs, delays, tokens, lambda bs, s=s: s, draw=draw)
         for s in shapes
         if s in costs.step_seconds
     }
-    runs["policy"] = replay_policy(costs, shapes, delays, tokens)
+    runs["policy"] = replay_policy(costs, shapes, delays, tokens, draw)
     return runs
+
+
+def compare_batch_sizes(
+    costs: MeasuredCosts,
+    shapes: list[Shape],
+    batch_sizes: list[int],
+    repeats: int,
+    max_new_tokens: int,
+    draw: Optional[AcceptDraw] = None,
+) -> dict[str, dict[int, float]]:
+    """tok/s by config and batch size on bench_e2e's fixed-size load: at each size in turn,
+    `repeats` batches of bs requests of max_new_tokens each. One policy runs them all, so
+    what it learnt at one size is what it starts the next with, as in an engine."""
+    fixed = [s for s in shapes if s in costs.step_seconds]
+    policy = server_policy(shapes)
+    observe = policy_observer(policy)
+    result: dict[str, dict[int, float]] = {s.label: {} for s in fixed}
+    result["policy"] = {}
+    for bs in batch_sizes:
+        delays, tokens = [0.0] * bs, [max_new_tokens] * bs
+        runs: dict[str, list[Replay]] = {label: [] for label in result}
+        for _ in range(repeats):
+            for s in fixed:
+                runs[s.label].append(
+                    replay(costs, delays, tokens, lambda b, s=s: s, draw=draw)
+                )
+            runs["policy"].append(
+                replay(costs, delays, tokens, policy.choose, observe, draw)
+            )
+        for label, replays in runs.items():
+            seconds = sum(r.seconds for r in replays)
+            result[label][bs] = repeats * bs * max_new_tokens / seconds
+    return result
+
+
+def print_batch_sizes(tables: list[dict[str, dict[int, float]]]) -> None:
+    """Mean tok/s per config and size over the seeds' tables, and the policy's ratio to the
+    best fixed shape: worst seed and mean."""
+    labels = list(tables[0])
+    sizes = list(tables[0]["policy"])
+    print(
+        "  bs "
+        + "".join(f"{label:>10}" for label in labels)
+        + "   policy/best (worst, mean)"
+    )
+    for bs in sizes:
+        means = {l: statistics.mean(t[l][bs] for t in tables) for l in labels}
+        ratios = [
+            t["policy"][bs] / max(t[l][bs] for l in labels if l != "policy")
+            for t in tables
+        ]
+        cells = "".join(f"{means[l]:10.1f}" for l in labels)
+        print(f"{bs:4d} {cells}   {min(ratios):.3f} {statistics.mean(ratios):.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", required=True, help="bench_e2e's --out JSON")
-    parser.add_argument("--mixed-load", required=True)
+    load = parser.add_mutually_exclusive_group(required=True)
+    load.add_argument("--mixed-load")
+    load.add_argument(
+        "--batch-sizes", help="bench_e2e's fixed sizes, e.g. 1,4,16,48,64"
+    )
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=0,
+        help="draw each request's accepted tokens, over this many seeds (0: the mean)",
+    )
     parser.add_argument("--tree", default="16,3,32")
     parser.add_argument(
         "--policy-shapes", default=" ".join(["16,3,32", "4,3,8", "1,3,4", "none"])
@@ -156,17 +264,34 @@ def main() -> None:
     missing = [s.label for s in shapes if s not in costs.step_seconds]
     if missing:
         parser.error(f"--rows has no fixed-batch rows of {missing}")
+    draws = (
+        [None]
+        if not args.seeds
+        else [binomial_draws(costs, random.Random(seed)) for seed in range(args.seeds)]
+    )
+    if args.batch_sizes:
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+        print_batch_sizes(
+            [
+                compare_batch_sizes(
+                    costs, shapes, sizes, args.repeats, args.max_new_tokens, draw
+                )
+                for draw in draws
+            ]
+        )
+        return
     load = bench_e2e.MixedLoad.parse(args.mixed_load)
     delays, tokens = load.arrivals(args.max_new_tokens)
-    runs = compare(costs, shapes, delays, tokens)
-    best_label, best = max(
-        ((k, r) for k, r in runs.items() if k != "policy"),
-        key=lambda kv: kv[1].tok_per_s,
-    )
-    for label, run in runs.items():
-        print(f"{label:>10} {run.tok_per_s:9.1f} tok/s  steps {run.steps_by_shape}")
-    ratio = runs["policy"].tok_per_s / best.tok_per_s
-    print(f"policy / best fixed ({best_label}): {ratio:.3f}")
+    for draw in draws:
+        runs = compare(costs, shapes, delays, tokens, draw)
+        best_label, best = max(
+            ((k, r) for k, r in runs.items() if k != "policy"),
+            key=lambda kv: kv[1].tok_per_s,
+        )
+        for label, run in runs.items():
+            print(f"{label:>10} {run.tok_per_s:9.1f} tok/s  steps {run.steps_by_shape}")
+        ratio = runs["policy"].tok_per_s / best.tok_per_s
+        print(f"policy / best fixed ({best_label}): {ratio:.3f}")
 
 
 if __name__ == "__main__":

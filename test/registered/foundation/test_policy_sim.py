@@ -3,6 +3,7 @@ every fixed shape and for the shape policy."""
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec
 import bench_e2e  # noqa: E402
 import policy_sim  # noqa: E402
 
-from sglang.srt.speculative.shape_policy import Shape  # noqa: E402
+from sglang.srt.speculative.shape_policy import Shape, ShapePolicy  # noqa: E402
 
 # bench_e2e's "narrow" config is tree 4,3,8 whatever --tree says.
 TREE, CHAIN, NONE = Shape(4, 3, 8), Shape(1, 3, 4), Shape.parse("none")
@@ -80,7 +81,52 @@ def test_the_policy_beats_every_fixed_shape_where_the_load_spends_time_at_both_e
 
 
 def test_at_one_batch_size_the_policy_settles_on_the_best_shape():
+    """The tree's price at bs 64, a guess from the prior, scores it near the chain: the policy
+    probes it for PRICE_PROBE_STEPS steps, finds it 3.4x dearer and stays on the chain.
+    """
     costs = policy_sim.measured_costs(bench_rows())
-    delays, tokens = [0.0] * 64, [256] * 64
+    delays, tokens = [0.0] * 64, [2048] * 64
     runs = policy_sim.compare(costs, [TREE, CHAIN, NONE], delays, tokens)
     assert runs["policy"].tok_per_s >= 0.98 * runs["1,3,4"].tok_per_s
+    assert (
+        runs["policy"].steps_by_shape.get("4,3,8", 0) <= ShapePolicy.PRICE_PROBE_STEPS
+    )
+
+
+def test_accept_draws_average_the_measured_accept_length():
+    costs = policy_sim.measured_costs(bench_rows())
+    draw = policy_sim.binomial_draws(costs, random.Random(0))
+    draws = [draw(TREE) for _ in range(20000)]
+    assert set(draws) == {1, 2, 3, 4}  # 0 .. num_steps drafts and the bonus token
+    assert sum(draws) / len(draws) == pytest.approx(3.6, abs=0.02)
+
+
+def test_replay_with_draws_commits_each_requests_own_draw():
+    costs = policy_sim.measured_costs(bench_rows())
+    seen = []
+    draws = iter([4, 1, 4, 4, 4, 4])
+    run = policy_sim.replay(
+        costs,
+        [0.0, 0.0],
+        [8, 5],
+        lambda bs: CHAIN,
+        observe=lambda shape, bs, seconds, accepted: seen.append((bs, accepted)),
+        draw=lambda shape: next(draws),
+    )
+    # Step 1: 4 and 1 tokens; step 2: 4 and 4 (the first request is done); step 3: the
+    # second request alone.
+    assert seen == [(2, [4, 1]), (2, [4, 4]), (1, [4])]
+    assert run.steps_by_shape == {"1,3,4": 3}
+
+
+def test_batch_sizes_in_turn_with_one_policy_throughout():
+    """bench_e2e's fixed sizes: each config's tok/s at each size; the policy learns from
+    nothing at bs 1 (its first run there explores) and carries what it learnt to bs 64.
+    """
+    costs = policy_sim.measured_costs(bench_rows())
+    table = policy_sim.compare_batch_sizes(costs, [TREE, CHAIN, NONE], [1, 64], 2, 512)
+    assert set(table) == {"4,3,8", "1,3,4", "none", "policy"}
+    # A fixed shape: bs x tokens over its steps' seconds (143 steps of 3.25 ms at bs 1).
+    assert table["4,3,8"][1] == pytest.approx(512 / (143 * 3.25e-3))
+    assert table["policy"][1] >= 0.9 * table["4,3,8"][1]
+    assert table["policy"][64] >= 0.95 * table["1,3,4"][64]
