@@ -493,6 +493,99 @@ def test_at_bs_1_noisy_draws_do_not_lead_the_policy_off_the_best_shape(seed):
     assert tokens / seconds >= 0.95 * best
 
 
+def seven_b_table_at_bs_4() -> StepCostTable:
+    """Device seconds of a 7.24B policy engine (side by side, H200): the chain measured at
+    bs 1 and 4, the narrow tree at bs 1 only (the policy had left it before the batch grew).
+    """
+    table = StepCostTable({}, ema_alpha=0.2)
+    for shape, bs, seconds in (
+        (CHAIN, 1, 5.41e-3),
+        (NARROW, 1, 5.63e-3),
+        (CHAIN, 4, 5.52e-3),
+    ):
+        for _ in range(2):  # the second step at a size confirms its point
+            table.observe(shape, bs, seconds)
+    return table
+
+
+def test_a_shape_priced_from_afar_is_probed_once_the_batch_settles():
+    """At bs 4 the narrow tree's price is its bs 1 point grown by the prior (6.0 ms against
+    5.7 measured in its own engine), which with a few short draws behind its accept length
+    scores it just under the chain: without running it there, nothing would correct that. It
+    runs PRICE_PROBE_STEPS steps once `patience` decisions found the batch near bs 4, then the
+    chain resumes; a measured price is no guess, and the probe does not come back."""
+    cfg = PolicyConfig(shapes=(NARROW, CHAIN))
+    policy = ShapePolicy(
+        cfg, seven_b_table_at_bs_4(), CHAIN, {NARROW: 2.74, CHAIN: 2.57}
+    )
+    assert not policy.costs.measured_near(NARROW, 4)
+    assert policy.costs.measured_near(NARROW, 2)
+    assert policy.score(NARROW, 4) < policy.score(CHAIN, 4)
+    probe = ShapePolicy.PRICE_PROBE_STEPS
+    shapes = []
+    for _ in range(cfg.patience + probe + 4):
+        shape = policy.choose(4)
+        shapes.append(shape)
+        if shape == NARROW:
+            policy.observe_step_time(NARROW, 4, 5.7e-3)
+    assert shapes[: cfg.patience - 1] == [CHAIN] * (cfg.patience - 1)
+    assert shapes[cfg.patience - 1 : cfg.patience - 1 + probe] == [NARROW] * probe
+    assert shapes[cfg.patience - 1 + probe :] == [CHAIN] * 5
+    assert policy.counters.probes == 1 and policy.counters.switches == 0
+    assert policy.costs.seconds(NARROW, 4) == pytest.approx(5.7e-3)
+    assert run(policy, 4, 100).count(NARROW) == 0
+
+
+def test_a_probe_finds_no_speculation_best_where_its_prior_priced_it_dear():
+    """A host-bound target at bs 48: `none` never ran, so its price is the prior's in the
+    chain's units, 3.0 ms, while a plain step there takes 2.2 ms; 2.6 tokens in the chain's
+    7.1 ms score 8 % above it. The probe measures `none`, which then wins after patience (a
+    switch into `none` always waits it out)."""
+    cfg = PolicyConfig(shapes=(CHAIN, NONE))
+    table = StepCostTable({}, ema_alpha=0.2)
+    for _ in range(2):
+        table.observe(CHAIN, 48, 7.1e-3)
+    policy = ShapePolicy(cfg, table, CHAIN, {CHAIN: 2.6})
+    assert policy.score(CHAIN, 48) > 1.05 * policy.score(NONE, 48)
+    shapes = []
+    for _ in range(40):
+        shape = policy.choose(48)
+        shapes.append(shape)
+        seconds = 2.2e-3 if shape == NONE else 7.1e-3
+        policy.observe_step_time(shape, 48, seconds)
+    probe_end = cfg.patience - 1 + ShapePolicy.PRICE_PROBE_STEPS
+    assert shapes[cfg.patience - 1 : probe_end] == [NONE] * 3
+    assert NONE in shapes[probe_end : probe_end + cfg.patience + 1]
+    assert shapes[-10:] == [NONE] * 10
+
+
+def test_no_price_probe_on_a_batch_that_keeps_doubling():
+    """Every size is new to the narrow tree, but the batch never stays within
+    StepCostTable.NEAR of one for `patience` decisions: its prices stay guesses and nothing
+    is probed."""
+    cfg = PolicyConfig(shapes=(NARROW, CHAIN))
+    policy = ShapePolicy(
+        cfg, seven_b_table_at_bs_4(), CHAIN, {NARROW: 2.74, CHAIN: 2.57}
+    )
+    for bs in (1, 2, 4, 8, 16, 32, 64, 128):
+        assert run(policy, bs, 3) == [CHAIN] * 3  # 6 decisions within a factor 2
+    assert policy.counters.probes == 0
+
+
+def test_no_price_probe_of_a_shape_far_below_the_running_one():
+    """The wide tree priced from afar at 2.1x the chain's seconds: beyond
+    PRICE_PROBE_MARGIN, not worth its steps."""
+    cfg = PolicyConfig(shapes=(WIDE, CHAIN))
+    table = seven_b_table_at_bs_4()
+    for _ in range(2):
+        table.observe(WIDE, 48, 54.0e-3)
+        table.observe(CHAIN, 48, 7.8e-3)
+    policy = ShapePolicy(cfg, table, CHAIN, {WIDE: 3.3, CHAIN: 2.57})
+    assert policy.score(WIDE, 16) < policy.score(CHAIN, 16) / 1.25
+    assert run(policy, 16, 50) == [CHAIN] * 50
+    assert policy.counters.probes == 0
+
+
 def test_no_speculation_keeps_accept_length_one():
     policy = make_policy()
     policy.observe_accept(NONE, [1, 1])

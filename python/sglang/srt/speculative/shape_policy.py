@@ -185,6 +185,8 @@ class StepCostTable:
     ONE_OFF_RATIO = 4.0
     # Steps of a shape in a row that slow are believed (the cost really changed).
     ONE_OFF_STREAK = 3
+    # Batch sizes within this factor of each other are near (measured_near).
+    NEAR = 2.0
 
     def __init__(
         self,
@@ -327,6 +329,14 @@ class StepCostTable:
             del self._units[(shape, other)]
             self._seconds_per_unit = None
 
+    def measured_near(self, shape: Shape, bs: int) -> bool:
+        """Whether the shape has a point within a factor NEAR of bs: its price there is more
+        than a guess carried from afar."""
+        return any(
+            bs / self.NEAR <= point <= bs * self.NEAR
+            for point in self._points.get(shape, ())
+        )
+
     def _unit(self) -> Optional[float]:
         """Median seconds per prior unit over the points (None before the first)."""
         if self._seconds_per_unit is None and self._units:
@@ -360,6 +370,11 @@ GUESS_DRAWS = 8
 
 
 class ShapePolicy:
+    # A probe of a shape priced by a guess (_unpriced_contender): its length, and how far below
+    # the running shape the guess may score.
+    PRICE_PROBE_STEPS = 3
+    PRICE_PROBE_MARGIN = 0.25
+
     def __init__(
         self,
         config: PolicyConfig,
@@ -395,6 +410,10 @@ class ShapePolicy:
         self._streak = 0
         self._probe_left = 0
         self._probe_return: Optional[Shape] = None
+        # The batch size the batch has stayed near (StepCostTable.NEAR), and for how many
+        # decisions in a row.
+        self._settled_bs = 0
+        self._settled_for = 0
 
     def score(self, shape: Shape, bs: int) -> float:
         return self.accept_length[shape] / self.costs.seconds(shape, bs)
@@ -402,6 +421,11 @@ class ShapePolicy:
     def choose(self, bs: int) -> Shape:
         """The shape of the next decode step at batch size bs."""
         self._step += 1
+        near = StepCostTable.NEAR
+        if self._settled_bs / near <= bs <= self._settled_bs * near:
+            self._settled_for += 1
+        else:
+            self._settled_bs, self._settled_for = bs, 1
         if self._probe_left > 0:
             self._probe_left -= 1
             if self._probe_left > 0:
@@ -424,10 +448,15 @@ class ShapePolicy:
         else:
             self._challenger, self._streak = None, 0
         probe = self._stale_contender(bs)
+        if probe is None:
+            probe = self._unpriced_contender(bs)
+            steps = self.PRICE_PROBE_STEPS
+        else:
+            steps = self.config.probe_steps
         if probe is not None:
             self.counters.probes += 1
             self._probe_return = self.current
-            self._probe_left = self.config.probe_steps
+            self._probe_left = steps
             self._switch(probe, counted=False)
         return self._ran(self.current)
 
@@ -480,6 +509,27 @@ class ShapePolicy:
             and self.score(s, bs) >= floor
         ]
         return max(stale, key=lambda s: (self.score(s, bs), s)) if stale else None
+
+    def _unpriced_contender(self, bs: int) -> Optional[Shape]:
+        """A shape whose price at this batch size is a guess carried from afar (no point within
+        StepCostTable.NEAR of bs) and scores within PRICE_PROBE_MARGIN of the running one,
+        once the batch has stayed near bs for `patience` decisions; `none` included, its price
+        being all there is to learn of it. A price grown from a distant batch size, or
+        `none`'s from the prior, can be off by more than the margin where the shape is in
+        fact the best, and nothing would run it there to correct that. The probe runs
+        PRICE_PROBE_STEPS steps: a shape's first step at a new size may be a one-off, the next
+        set its price."""
+        if self._settled_for < self.config.patience:
+            return None
+        floor = self.score(self.current, bs) / (1 + self.PRICE_PROBE_MARGIN)
+        unpriced = [
+            s
+            for s in self.config.shapes
+            if s != self.current
+            and not self.costs.measured_near(s, bs)
+            and self.score(s, bs) >= floor
+        ]
+        return max(unpriced, key=lambda s: (self.score(s, bs), s), default=None)
 
     def _switch(self, shape: Shape, counted: bool = True) -> None:
         if shape != self.current:
