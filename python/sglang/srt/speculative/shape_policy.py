@@ -15,7 +15,8 @@ start-up, refreshed by the steps that run). Keeping the two apart lets a shape m
 batch size be chosen at another. A switch needs the challenger to beat the running shape by a
 margin for `patience` decisions in a row, or by a decisive margin once; a shape idle for
 `probe_interval` steps runs for `probe_steps` steps when its stale score is within the margin
-of the best, so its acceptance follows the traffic.
+of the best, so its acceptance follows the traffic, and a shape priced only by a guess from a
+distant batch size runs a few steps once the batch settles, to measure its price there.
 
 Decisions only: which runtime state (graphs, backends) a shape uses is the worker's business.
 """
