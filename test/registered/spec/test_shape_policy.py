@@ -625,6 +625,26 @@ def test_an_idle_shape_beyond_the_decisive_margin_is_not_probed():
     assert policy.counters.probes == 0
 
 
+def test_a_probe_ends_when_the_batch_leaves_the_size_it_began_at():
+    """A 7.24B trace (session 58): a run's last requests drained the batch to bs 1, the wide
+    tree, idle long enough and near the chain there, began a probe, and the next run's 64
+    requests arrived mid-probe: the tree ran six steps at bs 64, 54 ms each against the
+    chain's 9 ms. A probe is about the size it began at; at a size outside StepCostTable.NEAR of
+    it the running shape comes back and the policy decides as usual."""
+    policy = make_policy(
+        initial=CHAIN,
+        shapes=(WIDE, CHAIN, NONE),
+        patience=50,
+        probe_interval=5,
+        probe_steps=8,
+    )
+    # Idle for 5 steps, the wide tree (17 % ahead at bs 1) begins its probe.
+    assert run(policy, 1, 6) == [CHAIN] * 5 + [WIDE]
+    assert run(policy, 2, 2) == [WIDE] * 2  # bs 2 is near bs 1: the probe goes on
+    assert run(policy, 64, 3) == [CHAIN] * 3
+    assert policy.counters.probes == 1 and policy.counters.switches == 0
+
+
 def test_a_probe_that_measures_well_wins_the_next_decision():
     policy = make_policy(patience=1, probe_interval=5, probe_steps=2)
     shapes = run(policy, 1, 6)

@@ -333,16 +333,18 @@ class StepCostTable:
     def measured_near(self, shape: Shape, bs: int) -> bool:
         """Whether the shape has a point within a factor NEAR of bs: its price there is more
         than a guess carried from afar."""
-        return any(
-            bs / self.NEAR <= point <= bs * self.NEAR
-            for point in self._points.get(shape, ())
-        )
+        return any(_near(bs, point) for point in self._points.get(shape, ()))
 
     def _unit(self) -> Optional[float]:
         """Median seconds per prior unit over the points (None before the first)."""
         if self._seconds_per_unit is None and self._units:
             self._seconds_per_unit = statistics.median(self._units.values())
         return self._seconds_per_unit
+
+
+def _near(a: int, b: int) -> bool:
+    """Batch sizes within StepCostTable.NEAR of each other."""
+    return a / StepCostTable.NEAR <= b <= a * StepCostTable.NEAR
 
 
 def _interpolate(by_bs: Mapping[int, float], bs: int) -> float:
@@ -411,6 +413,7 @@ class ShapePolicy:
         self._streak = 0
         self._probe_left = 0
         self._probe_return: Optional[Shape] = None
+        self._probe_bs = 0  # the batch size a probe began at
         # The batch size the batch has stayed near (StepCostTable.NEAR), and for how many
         # decisions in a row.
         self._settled_bs = 0
@@ -422,16 +425,19 @@ class ShapePolicy:
     def choose(self, bs: int) -> Shape:
         """The shape of the next decode step at batch size bs."""
         self._step += 1
-        near = StepCostTable.NEAR
-        if self._settled_bs / near <= bs <= self._settled_bs * near:
+        if _near(self._settled_bs, bs):
             self._settled_for += 1
         else:
             self._settled_bs, self._settled_for = bs, 1
         if self._probe_left > 0:
             self._probe_left -= 1
-            if self._probe_left > 0:
+            if self._probe_left > 0 and _near(self._probe_bs, bs):
                 return self._ran(self.current)
-            # The probe is over: back to the shape it left, then decide as usual.
+            # The probe is over, or the batch left the size it began at (a near tie there
+            # says nothing of this one: a probe of the wide tree begun as a batch drained to
+            # bs 4 would go on at bs 64 after the next arrivals): back to the shape it left,
+            # then decide as usual.
+            self._probe_left = 0
             self._switch(self._probe_return, counted=False)
         best = max(self.config.shapes, key=lambda s: (self.score(s, bs), s))
         threshold = (1 + self.config.margin) * self.score(self.current, bs)
@@ -458,6 +464,7 @@ class ShapePolicy:
             self.counters.probes += 1
             self._probe_return = self.current
             self._probe_left = steps
+            self._probe_bs = bs
             self._switch(probe, counted=False)
         return self._ran(self.current)
 
