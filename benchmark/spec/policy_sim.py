@@ -193,8 +193,9 @@ def compare_batch_sizes(
     draw: Optional[AcceptDraw] = None,
 ) -> dict[str, dict[int, float]]:
     """tok/s by config and batch size on bench_e2e's fixed-size load: at each size in turn,
-    `repeats` batches of bs requests of max_new_tokens each. One policy runs them all, so
-    what it learnt at one size is what it starts the next with, as in an engine."""
+    one untimed batch of bs requests of max_new_tokens each (bench_e2e's warm-up round; only
+    the policy learns from it) and `repeats` timed ones. One policy runs them all, so what it
+    learnt at one size is what it starts the next with, as in an engine."""
     fixed = [s for s in shapes if s in costs.step_seconds]
     policy = server_policy(shapes)
     observe = policy_observer(policy)
@@ -203,6 +204,7 @@ def compare_batch_sizes(
     for bs in batch_sizes:
         delays, tokens = [0.0] * bs, [max_new_tokens] * bs
         runs: dict[str, list[Replay]] = {label: [] for label in result}
+        replay(costs, delays, tokens, policy.choose, observe, draw)  # untimed
         for _ in range(repeats):
             for s in fixed:
                 runs[s.label].append(
