@@ -130,3 +130,23 @@ def test_batch_sizes_in_turn_with_one_policy_throughout():
     assert table["4,3,8"][1] == pytest.approx(512 / (143 * 3.25e-3))
     assert table["policy"][1] >= 0.9 * table["4,3,8"][1]
     assert table["policy"][64] >= 0.95 * table["1,3,4"][64]
+
+
+def test_the_policy_runs_untimed_once_at_each_size_before_its_timed_runs(monkeypatch):
+    """bench_e2e's warm-up round: the policy learns from it, the table leaves it out."""
+    costs = policy_sim.measured_costs(bench_rows())
+    real_replay = policy_sim.replay
+    policy_runs: list[tuple[int, float]] = []
+
+    def replay(costs, delays, tokens, choose, *args, **kwargs):
+        result = real_replay(costs, delays, tokens, choose, *args, **kwargs)
+        if isinstance(getattr(choose, "__self__", None), ShapePolicy):
+            policy_runs.append((len(delays), result.seconds))
+        return result
+
+    monkeypatch.setattr(policy_sim, "replay", replay)
+    table = policy_sim.compare_batch_sizes(costs, [TREE, CHAIN, NONE], [1, 16], 2, 64)
+    assert [bs for bs, _ in policy_runs] == [1, 1, 1, 16, 16, 16]
+    for bs, runs in ((1, policy_runs[:3]), (16, policy_runs[3:])):
+        timed = sum(seconds for _, seconds in runs[1:])
+        assert table["policy"][bs] == pytest.approx(2 * bs * 64 / timed)
