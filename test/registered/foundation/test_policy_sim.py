@@ -150,3 +150,23 @@ def test_the_policy_runs_untimed_once_at_each_size_before_its_timed_runs(monkeyp
     for bs, runs in ((1, policy_runs[:3]), (16, policy_runs[3:])):
         timed = sum(seconds for _, seconds in runs[1:])
         assert table["policy"][bs] == pytest.approx(2 * bs * 64 / timed)
+
+
+def test_the_seeds_table_prints_mean_cells_and_the_policys_worst_and_mean_ratio(capsys):
+    tables = [
+        {"1,3,4": {4: 100.0}, "none": {4: 80.0}, "policy": {4: 90.0}},
+        {"1,3,4": {4: 120.0}, "none": {4: 80.0}, "policy": {4: 120.0}},
+    ]
+    policy_sim.print_batch_sizes(tables)
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split() == [
+        "bs",
+        "1,3,4",
+        "none",
+        "policy",
+        "policy/best",
+        "(worst,",
+        "mean)",
+    ]
+    # Means 110 / 80 / 105; the policy's ratios 0.9 and 1.0 to the best fixed shape.
+    assert row.split() == ["4", "110.0", "80.0", "105.0", "0.900", "0.950"]
