@@ -507,16 +507,12 @@ class ShapePolicy:
         stale accept length can be off by more than the margin (the shape was left on a few
         short draws, or never ran long): probing only near ties would leave such a shape
         behind for good, while a probe costs probe_steps steps in probe_interval."""
-        floor = self.score(self.current, bs) / (1 + self.config.decisive_margin)
-        stale = [
-            s
-            for s in self.config.shapes
-            if s != self.current
-            and s.speculates
-            and self._step - self._last_run[s] > self.config.probe_interval
-            and self.score(s, bs) >= floor
-        ]
-        return max(stale, key=lambda s: (self.score(s, bs), s)) if stale else None
+        return self._best_within(
+            bs,
+            self.config.decisive_margin,
+            lambda s: s.speculates
+            and self._step - self._last_run[s] > self.config.probe_interval,
+        )
 
     def _unpriced_contender(self, bs: int) -> Optional[Shape]:
         """A shape whose price at this batch size is a guess carried from afar (no point within
@@ -529,15 +525,24 @@ class ShapePolicy:
         set its price."""
         if self._settled_for < self.config.patience:
             return None
-        floor = self.score(self.current, bs) / (1 + self.PRICE_PROBE_MARGIN)
-        unpriced = [
+        return self._best_within(
+            bs,
+            self.PRICE_PROBE_MARGIN,
+            lambda s: not self.costs.measured_near(s, bs),
+        )
+
+    def _best_within(
+        self, bs: int, margin: float, eligible: Callable[[Shape], bool]
+    ) -> Optional[Shape]:
+        """The best-scoring shape other than the running one that is eligible and scores at
+        least the running one's score / (1 + margin) at bs."""
+        floor = self.score(self.current, bs) / (1 + margin)
+        contenders = [
             s
             for s in self.config.shapes
-            if s != self.current
-            and not self.costs.measured_near(s, bs)
-            and self.score(s, bs) >= floor
+            if s != self.current and eligible(s) and self.score(s, bs) >= floor
         ]
-        return max(unpriced, key=lambda s: (self.score(s, bs), s), default=None)
+        return max(contenders, key=lambda s: (self.score(s, bs), s), default=None)
 
     def _switch(self, shape: Shape, counted: bool = True) -> None:
         if shape != self.current:
