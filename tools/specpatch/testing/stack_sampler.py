@@ -39,8 +39,9 @@ def py_spy_path() -> str:
     path = shutil.which(PY_SPY)
     if path is None:
         raise FileNotFoundError(
-            f"{PY_SPY} is not on PATH: pip install py-spy, or on the GPU host add "
-            "/tmp/gpu-site/bin to PATH (tools/stage-extra-wheels.sh ships it in .whl)"
+            f"{PY_SPY} is not on PATH: pip install py-spy, or on the GPU host carry .whl "
+            "(tools/stage-extra-wheels.sh) and source tools/gpu-env.sh, which puts "
+            "/tmp/gpu-site/bin on PATH"
         )
     return path
 
