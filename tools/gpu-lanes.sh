@@ -48,6 +48,7 @@ if [ -f .flashinfer/manifest.json ]; then
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage collect "$out"
 fi
 PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.triton_cache collect "$out"
+PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.jit_cache collect "$out"
 for dir in "$out"/lane*; do
   echo "== $(cat "$dir/selection"): $(tail -n 1 "$dir/gpu-tests.log")"
   grep -E "^(FAILED|ERROR) " "$dir/gpu-tests.log" | head -n 20

@@ -19,8 +19,10 @@ if [ -f .flashinfer/manifest.json ]; then
   # What this call compiled comes back for the next calls: copy it into .flashinfer/.
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage collect "$out"
 fi
-# Triton's compiled kernels as well: copy triton-cache.tar.xz into .triton-cache/.
+# Triton's compiled kernels as well: copy triton-cache.tar.xz into .triton-cache/; and
+# sglang's nvcc-built modules: copy tvm-ffi-cache.tar.xz into .jit-cache/.
 PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.triton_cache collect "$out"
+PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.jit_cache collect "$out"
 python3 - "$out/gpu-junit.xml" <<'PY'
 import sys
 import xml.etree.ElementTree as ET

@@ -62,6 +62,9 @@ def test_the_scripts_run_the_staging_modules():
         ("tools/gpu-env.sh", "specpatch.gpu_host.triton_cache"),
         ("tools/gpu-tests.sh", "specpatch.gpu_host.triton_cache"),
         ("tools/gpu-lanes.sh", "specpatch.gpu_host.triton_cache"),
+        ("tools/gpu-env.sh", "specpatch.gpu_host.jit_cache"),
+        ("tools/gpu-tests.sh", "specpatch.gpu_host.jit_cache"),
+        ("tools/gpu-lanes.sh", "specpatch.gpu_host.jit_cache"),
         ("tools/setup.sh", "specpatch.testing.cudastub"),
     ]:
         assert (script, module) in runs, (script, module, sorted(runs))

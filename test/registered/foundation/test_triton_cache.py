@@ -47,7 +47,7 @@ def test_a_packed_kernel_is_a_cache_hit_in_another_cache(tmp_path, monkeypatch):
     archive = tmp_path / "out" / triton_cache.ARCHIVE
 
     packed = triton_cache.pack(tmp_path / "host-a", archive)
-    assert (packed.kernels, packed.files) == (2, 6)  # json, cubin, group; no IR
+    assert (packed.entries, packed.files) == (2, 6)  # json, cubin, group; no IR
     assert packed.archive_bytes == archive.stat().st_size
     shutil.rmtree(tmp_path / "host-a")  # the next call's host is another machine
 
@@ -70,7 +70,7 @@ def test_entries_without_a_group_and_triton_temporaries_stay_home(
     (cache / "done" / "_fwd_kernel.json.tmp.pid_7_x").write_text("{")
 
     archive = tmp_path / triton_cache.ARCHIVE
-    assert triton_cache.pack(cache, archive).kernels == 1
+    assert triton_cache.pack(cache, archive).entries == 1
     with tarfile.open(archive) as tar:
         names = sorted(tar.getnames())
     assert names == [
@@ -94,7 +94,7 @@ def test_an_archive_over_the_limit_is_refused_and_not_written(tmp_path, monkeypa
 
 def test_an_empty_or_missing_cache_packs_to_nothing(tmp_path):
     packed = triton_cache.pack(tmp_path / "never-made", tmp_path / "a.tar.xz")
-    assert (packed.kernels, packed.files) == (0, 0)
+    assert (packed.entries, packed.files) == (0, 0)
     assert triton_cache.install(tmp_path / "a.tar.xz", tmp_path / "cache") == 0
 
 
@@ -196,7 +196,7 @@ def test_a_kernel_triton_compiled_is_a_hit_after_the_trip(tmp_path, monkeypatch)
     compiled = compile_add()
     assert "ptx" in compiled.asm  # a fresh compile keeps every stage
     archive = tmp_path / triton_cache.ARCHIVE
-    assert triton_cache.pack(tmp_path / "host-a", archive).kernels == 1
+    assert triton_cache.pack(tmp_path / "host-a", archive).entries == 1
     shutil.rmtree(tmp_path / "host-a")
 
     assert triton_cache.install(archive, tmp_path / "host-b") == 1

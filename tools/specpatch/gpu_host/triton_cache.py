@@ -23,19 +23,14 @@ where the members are now, so the archive does not depend on where either cache 
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import os
-import shutil
 import sys
-import tarfile
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from specpatch.gpu_host import MAX_RETURNED_BYTES
+from specpatch.gpu_host import MAX_RETURNED_BYTES, cache_archive
+from specpatch.gpu_host.cache_archive import Packed
 
 ARCHIVE = "triton-cache.tar.xz"
 GROUP_PREFIX = "__grp__"
@@ -48,14 +43,6 @@ def cache_dir(environ=os.environ) -> Path:
     if environ.get("TRITON_CACHE_DIR"):
         return Path(environ["TRITON_CACHE_DIR"])
     return Path(environ.get("HOME", "~")).expanduser() / ".triton" / "cache"
-
-
-@dataclass(frozen=True)
-class Packed:
-    # cache folders with a group file: kernels a later call need not compile
-    kernels: int
-    files: int
-    archive_bytes: int
 
 
 def _complete_entries(cache: Path) -> list[tuple[Path, list[Path]]]:
@@ -78,20 +65,13 @@ def pack(cache: Path, archive: Path, max_bytes: int = MAX_RETURNED_BYTES) -> Pac
     """Write the cache's complete entries, without their IR, to `archive` (tar.xz). Raises
     ValueError, writing nothing, when the archive would exceed max_bytes."""
     entries = _complete_entries(cache) if cache.is_dir() else []
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:xz") as tar:
-        for folder, files in entries:
-            for f in files:
-                tar.add(f, arcname=f"{folder.name}/{f.name}", recursive=False)
-    size = buffer.tell()
-    if size > max_bytes:
-        raise ValueError(
-            f"{len(entries)} Triton kernels pack to {size / 2**20:.1f} MiB, over the "
-            f"{max_bytes / 2**20:.1f} MiB limit: not written"
-        )
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    archive.write_bytes(buffer.getvalue())
-    return Packed(len(entries), sum(len(f) for _, f in entries), size)
+    members = [
+        (f"{folder.name}/{f.name}", f) for folder, files in entries for f in files
+    ]
+    size = cache_archive.write_archive(
+        archive, members, max_bytes, f"{len(entries)} Triton kernels"
+    )
+    return Packed(len(entries), len(members), size)
 
 
 def _relinked_group(group: Path, final: Path) -> Optional[dict]:
@@ -111,73 +91,38 @@ def _relinked_group(group: Path, final: Path) -> Optional[dict]:
     return {"child_paths": {name: str(final / name) for name in members}}
 
 
+def _relink(folder: Path, final: Path) -> bool:
+    """Point the unpacked entry's group files at `final`; False where one could not load."""
+    groups = sorted(folder.glob(f"{GROUP_PREFIX}*"))
+    for group in groups:
+        contents = _relinked_group(group, final)
+        if contents is None:
+            return False
+        group.write_text(json.dumps(contents))
+    return bool(groups)
+
+
 def install(archive: Path, cache: Path) -> int:
     """Add a collected archive's kernels to `cache`; returns how many were added.
 
     The archive is unpacked beside the cache first and each complete entry then moved in
     whole, so a damaged archive leaves the cache as it was (install raises) and a kernel this
     host already compiled keeps its own entry."""
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".install-", dir=cache))
-    try:
-        with tarfile.open(archive, mode="r:xz") as tar:
-            # "data": no member may leave the folder or be a link, device or set-uid file.
-            tar.extractall(staging, filter="data")
-        added = 0
-        for group in sorted(staging.glob(f"*/{GROUP_PREFIX}*")):
-            final = cache / group.parent.name
-            contents = _relinked_group(group, final)
-            if contents is None or final.exists():
-                continue
-            group.write_text(json.dumps(contents))
-            group.parent.rename(final)
-            added += 1
-        return added
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _archive_in(path: Path) -> Path:
-    return path / ARCHIVE if path.is_dir() else path
+    return cache_archive.install_folders(archive, cache, _relink)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m specpatch.gpu_host.triton_cache",
-        description=__doc__.split("\n")[0],
+    return cache_archive.main(
+        argv,
+        prog="triton_cache",
+        doc=__doc__,
+        archive_name=ARCHIVE,
+        variable="TRITON_CACHE_DIR",
+        noun="kernels",
+        cache_dir=cache_dir,
+        pack=pack,
+        install=install,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("collect", help=f"pack TRITON_CACHE_DIR into OUT_DIR/{ARCHIVE}")
-    c.add_argument("out_dir", type=Path)
-    c.add_argument("--max-mib", type=float, default=MAX_RETURNED_BYTES / 2**20)
-    i = sub.add_parser(
-        "install", help="unpack a collected archive into TRITON_CACHE_DIR"
-    )
-    i.add_argument(
-        "archive", type=Path, help=f"the archive, or a folder holding {ARCHIVE}"
-    )
-    args = parser.parse_args(argv)
-
-    cache = cache_dir()
-    if args.command == "collect":
-        try:
-            packed = pack(cache, args.out_dir / ARCHIVE, int(args.max_mib * 2**20))
-        except ValueError as e:
-            print(f"triton_cache: {e}", file=sys.stderr)
-            return 1
-        print(
-            f"triton_cache: {packed.kernels} kernels from {cache}, "
-            f"{packed.archive_bytes / 2**20:.1f} MiB in {args.out_dir / ARCHIVE}"
-        )
-        return 0
-    try:
-        kernels = install(_archive_in(args.archive), cache)
-    except (tarfile.TarError, EOFError, OSError) as e:
-        # The call goes on: its engines compile what the archive would have brought.
-        print(f"triton_cache: nothing added, {e!r}", file=sys.stderr)
-        return 1
-    print(f"triton_cache: {kernels} kernels added to {cache}")
-    return 0
 
 
 if __name__ == "__main__":
