@@ -256,6 +256,24 @@ def test_a_first_step_under_the_one_off_ratio_is_replaced_by_the_next():
     assert given.seconds(NARROW, 1) == pytest.approx(0.8 * 9.0e-3 + 0.2 * 8.0e-3)
 
 
+def test_the_first_believed_step_at_a_size_is_replaced_by_the_next():
+    """A 7.24B policy trace (build bc660de8, bs 4): the narrow tree's price probe ran three
+    steps, 512 ms (its compiles, left out), 6.92 ms and 5.94 ms. Set by the second and moved
+    by the EMA, its point stayed at 6.72 ms, 13 % over the third, and the probe was over: the
+    tree stayed priced dear at the size it was probed to price. The first step the table
+    believes at a size is provisional like a first step: the next one replaces it."""
+    table = StepCostTable({}, ema_alpha=0.2)
+    for bs, seconds in ((1, 5.49e-3), (1, 5.5e-3), (4, 5.6e-3), (4, 5.58e-3)):
+        table.observe(CHAIN, bs, seconds)
+    table.observe(NARROW, 4, 0.512)  # a one-off: left out
+    table.observe(NARROW, 4, 6.92e-3)
+    assert table.seconds(NARROW, 4) == 6.92e-3
+    table.observe(NARROW, 4, 5.94e-3)
+    assert table.seconds(NARROW, 4) == 5.94e-3
+    table.observe(NARROW, 4, 5.8e-3)  # warm steps: the EMA again
+    assert table.seconds(NARROW, 4) == pytest.approx(0.8 * 5.94e-3 + 0.2 * 5.8e-3)
+
+
 def host_bound_table_after_a_growing_batch() -> StepCostTable:
     """A 1.21B policy trace (build cd637d58, H200, the policy engine run first): device
     seconds of the chain and the narrow tree on a batch growing 1 -> 48. Each shape's first

@@ -172,9 +172,11 @@ class StepCostTable:
     at the shape's other batch sizes where it is ONE_OFF_RATIO times dearer per prior unit (the
     prior's growth over batch sizes is right to well within that), since a one-off that set the
     only point of a batch size is otherwise never run there again to be corrected. A point set
-    by a shape's first step at a batch size is provisional: a one-off can stay under
-    ONE_OFF_RATIO (the first replay of a CUDA graph took 3.4x a warm step), and the next step
-    there replaces it instead of moving it by the EMA. Until then it is an upper bound, not an
+    by the first step the table believes of a shape at a batch size (its first step there, or
+    the next where the first was left out) is provisional: a one-off can stay under
+    ONE_OFF_RATIO (the first replay of a CUDA graph took 3.4x a warm step), the step after a
+    compile is often still slower than the warm ones, and the next step there replaces the
+    point instead of moving it by the EMA, which would keep a price probe's few steps dear. Until then it is an upper bound, not an
     estimate: where the shape's other points price that batch size lower, they do. A shape is
     often left on its first step at a size (the batch grew past it), and a one-off trusted
     there would price the shape dear at that size, and at every size extrapolated from it,
@@ -298,7 +300,7 @@ class StepCostTable:
             seconds = (1 - a) * point + a * seconds
         self._set(shape, bs, seconds)
         confirmed = self._confirmed.setdefault(shape, {})
-        if first_at_bs:
+        if first_at_bs or point is None:
             self._provisional.setdefault(shape, set()).add(bs)
             confirmed.pop(bs, None)
         else:
