@@ -18,6 +18,7 @@ from sglang.srt.managers.scheduler_output_processor_mixin import (
 )
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.observability.scheduler_metrics_mixin import SchedulerMetricsMixin
 from sglang.srt.speculative import plain_decode_steps as pds
@@ -136,6 +137,37 @@ def test_a_none_step_decodes_the_carried_bonus_token_into_its_slot():
     assert plain.capture_hidden_mode == CaptureHiddenMode.LAST
     # The spec v2 batch is what the next steps read: unchanged.
     assert batch.seq_lens.tolist() == [17, 5] and batch.spec_info is carried
+
+
+def test_nones_state_builds_the_decode_position_kernel_at_start_up(monkeypatch):
+    """A 7.24B mixed load (build bc660de8): the policy's first `none` step held its scheduler
+    8.1 s with no Triton compile logged. On that step's path one kernel is built on first use:
+    ForwardBatch's DECODE positions (forward_batch_info.clamp_position, nvcc through tvm-ffi,
+    per dtype), and a spec v2 server's first DECODE batch is its first `none` step. `none`'s
+    runtime state, built at start-up, builds it for the dtype that step's batch carries.
+    """
+    built = []
+
+    def clamp_position(seq_lens):
+        built.append(seq_lens.dtype)
+        return (seq_lens - 1).clamp(min=0)
+
+    monkeypatch.setattr(forward_batch_info, "clamp_position", clamp_position)
+    runner = SimpleNamespace(
+        init_new_workspace=False,
+        device=torch.device("cpu"),
+        _get_attention_backend=lambda init_new_workspace: "none's backend",
+    )
+    worker = SimpleNamespace(
+        target_worker=SimpleNamespace(model_runner=runner),
+        server_args=SimpleNamespace(disable_cuda_graph=True),
+    )
+    state = rt.build_plain_decode_state(worker)
+    assert state.shape == NONE and built == [torch.int64]
+    plain = pds.plain_decode_batch(
+        batch_of([0], [9], carried_of(1)), torch.arange(50).view(1, 50)
+    )
+    assert plain.seq_lens.dtype in built
 
 
 def test_a_none_result_commits_one_token_and_passes_the_draft_input_on():

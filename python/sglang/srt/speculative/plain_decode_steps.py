@@ -181,6 +181,18 @@ def plain_decode_batch(
     )
 
 
+def build_decode_position_kernel(device: torch.device) -> None:
+    """Have sglang build its kernel for DECODE positions now, at start-up: ForwardBatch gives
+    a DECODE batch its positions through a CUDA kernel nvcc builds on first use
+    (forward_batch_info.clamp_position), and a spec v2 server's only DECODE batches are `none`
+    steps, so the first of them would wait for that build (seconds) in the middle of serving,
+    with every running request."""
+    from sglang.srt.model_executor import forward_batch_info
+
+    # Built per dtype: ScheduleBatch keeps seq_lens in int64, and plain_decode_batch keeps it.
+    forward_batch_info.clamp_position(torch.ones(1, dtype=torch.int64, device=device))
+
+
 def plain_decode_result(
     decoded: "GenerationBatchResult",
     batch: "ModelWorkerBatch",

@@ -325,10 +325,12 @@ def build_shape_runtime_state(worker, shape: Shape) -> ShapeRuntimeState:
 
 def build_plain_decode_state(worker) -> ShapeRuntimeState:
     """`none`'s runtime (plain_decode_steps): a target attention backend of its own and CUDA
-    graphs captured in DECODE mode, one token a request with its hidden state kept. A `none`
-    step runs no draft: the draft's fields stay those of the shape that ran before."""
+    graphs captured in DECODE mode, one token a request with its hidden state kept, and the
+    kernel of DECODE positions built (build_decode_position_kernel). A `none` step runs no
+    draft: the draft's fields stay those of the shape that ran before."""
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
     from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+    from sglang.srt.speculative.plain_decode_steps import build_decode_position_kernel
 
     runner = worker.target_worker.model_runner
     backup_init = runner.init_new_workspace
@@ -339,6 +341,7 @@ def build_plain_decode_state(worker) -> ShapeRuntimeState:
     graph_runner = None
     if not worker.server_args.disable_cuda_graph:
         graph_runner = CudaGraphRunner(runner, attn_backend=backend, plain_decode=True)
+    build_decode_position_kernel(runner.device)
     runtime = SpecRuntimeState(
         speculative_num_steps=NONE.num_steps,
         speculative_num_draft_tokens=NONE.num_draft_tokens,
