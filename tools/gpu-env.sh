@@ -6,6 +6,14 @@
 # .fa3/ or /tmp/fa3 FA3's library in parts (specpatch.gpu_host.fa3_stage), .triton-cache/
 # Triton's kernels compiled by an earlier call (specpatch.gpu_host.triton_cache), .jit-cache/
 # sglang's nvcc-built modules (specpatch.gpu_host.jit_cache).
+# sglang's own CUDA kernels that nvcc builds on first use (sglang.jit_kernel, through tvm-ffi):
+# one cache path for every process of the call, the bundle's first import included (tvm-ffi
+# may build a module of its own when imported), filled from .jit-cache/ when carried
+# (specpatch.gpu_host.jit_cache, standard library only) before anything imports tvm-ffi.
+export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi-cache}
+if [ -f .jit-cache/tvm-ffi-cache.tar.xz ]; then
+  PYTHONPATH=tools:${PYTHONPATH:-} python3 -m specpatch.gpu_host.jit_cache install .jit-cache
+fi
 if [ ! -f .gpu-bundle/env.sh ] && [ -f .gpu-bundle-xz/deps.tar.xz ]; then
   mkdir -p .gpu-bundle && for a in .gpu-bundle-xz/*.tar.xz; do tar -xJf "$a" -C .gpu-bundle; done
 fi
@@ -48,11 +56,5 @@ fi
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 if [ -f .triton-cache/triton-cache.tar.xz ]; then
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.triton_cache install .triton-cache
-fi
-# sglang's own CUDA kernels that nvcc builds on first use (sglang.jit_kernel, through tvm-ffi),
-# likewise: one cache path, installed from .jit-cache/ when carried (specpatch.gpu_host.jit_cache).
-export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi-cache}
-if [ -f .jit-cache/tvm-ffi-cache.tar.xz ]; then
-  PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.jit_cache install .jit-cache
 fi
 export SPECPATCH_MODEL_CACHE=${SPECPATCH_MODEL_CACHE:-/tmp/specpatch-models}
