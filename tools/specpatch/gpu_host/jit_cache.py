@@ -9,8 +9,8 @@ its first engine waits for each of those builds (Triton's kernels are carried by
 triton_cache). `collect` packs every folder whose module was built into one archive under
 $OUT; `install` unpacks a carried archive into the host's cache before any engine starts:
 
-    # on the GPU host: tools/gpu-env.sh sets TVM_FFI_CACHE_DIR and
-    # installs .jit-cache/ if carried; gpu-tests.sh and gpu-lanes.sh collect into their output
+    # on the GPU host: tools/gpu-env.sh sets TVM_FFI_CACHE_DIR and installs .jit-cache/ if
+    # carried; gpu-tests.sh and gpu-lanes.sh collect into their output folder
     PYTHONPATH=tools python3 -m specpatch.gpu_host.jit_cache collect "$OUT"
     # here: copy tvm-ffi-cache.tar.xz into .jit-cache/ and carry ".jit-cache"
 
@@ -19,9 +19,9 @@ keep the commands and header dependencies it compares, and `install` gives every
 its modification time to the nanosecond (each folder travels with a list of them, MTIMES:
 tar's own times are rounded, and ninja rebuilds an object whose time moved past the one its
 dependency log recorded), so the objects also stay newer than the sources the bundle
-unpacks, which keep their wheel's times. The folder's hash covers the sources' absolute paths and the GPU
-architecture's flag, so a host that unpacks the bundle elsewhere, or another architecture,
-only misses and builds as before.
+unpacks, which keep their wheel's times. The folder's hash covers the sources' absolute
+paths and the GPU architecture's flag, so a host that unpacks the bundle elsewhere, or
+another architecture, only misses and builds as before.
 """
 
 from __future__ import annotations

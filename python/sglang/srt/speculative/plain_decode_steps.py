@@ -181,7 +181,7 @@ def plain_decode_batch(
     )
 
 
-def build_decode_position_kernel(device: torch.device) -> None:
+def build_decode_position_kernel(device: "torch.device | str") -> None:
     """Have sglang build its kernel for DECODE positions now, at start-up: ForwardBatch gives
     a DECODE batch its positions through a CUDA kernel nvcc builds on first use
     (forward_batch_info.clamp_position), and a spec v2 server's only DECODE batches are `none`

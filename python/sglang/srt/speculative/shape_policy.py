@@ -176,12 +176,13 @@ class StepCostTable:
     the next where the first was left out) is provisional: a one-off can stay under
     ONE_OFF_RATIO (the first replay of a CUDA graph took 3.4x a warm step), the step after a
     compile is often still slower than the warm ones, and the next step there replaces the
-    point instead of moving it by the EMA, which would keep a price probe's few steps dear. Until then it is an upper bound, not an
-    estimate: where the shape's other points price that batch size lower, they do. A shape is
-    often left on its first step at a size (the batch grew past it), and a one-off trusted
-    there would price the shape dear at that size, and at every size extrapolated from it,
-    for as long as it does not run there again, which its price then prevents; a price that
-    is too low instead runs the shape, and its steps correct it.
+    point instead of moving it by the EMA, which would keep a price probe's few steps dear.
+    Until then it is an upper bound, not an estimate: where the shape's other points price
+    that batch size lower, they do. A shape is often left on its first step at a size (the
+    batch grew past it), and a one-off trusted there would price the shape dear at that size,
+    and at every size extrapolated from it, for as long as it does not run there again, which
+    its price then prevents; a price that is too low instead runs the shape, and its steps
+    correct it.
     """
 
     # How many times the expected seconds a step may take and still be believed.
