@@ -456,6 +456,8 @@ class _Launch:
     # With step_time PERIOD: the end mark of the decode step launched just before, when it
     # ran this shape and no other forward came between (None otherwise: the span is used).
     previous_end: Optional[object] = None
+    # The first step of the shape after a switch: it pays for the switch as well.
+    after_switch: bool = False
 
 
 class ShapeTrace:
@@ -472,7 +474,8 @@ class ShapeTrace:
     A result line also has "t", the host's monotonic clock when the result was read: in a run
     of steps of one shape, the interval between two results is the step's period as the
     decode loop runs it (host work included), where "seconds" is the device's span of the
-    step's launches only."""
+    step's launches only. The first step after a switch has "after_switch": true; its seconds
+    are not the shape's price (ShapeController.on_verify_complete)."""
 
     def __init__(
         self,
@@ -499,7 +502,7 @@ class ShapeTrace:
         accept_length: float,
         scores: Mapping[str, float],
     ) -> None:
-        self._write(
+        fields = dict(
             step=launch.step,
             shape=launch.shape.label,
             bs=launch.bs,
@@ -508,6 +511,9 @@ class ShapeTrace:
             scores={label: round(v, 2) for label, v in scores.items()},
             t=round(self._wall_clock(), 6),
         )
+        if launch.after_switch:
+            fields["after_switch"] = True
+        self._write(**fields)
 
     def switch(self, step: int, old: Shape, new: Shape, bs: int) -> None:
         self._write(step=step, switch=[old.label, new.label], bs=bs)
@@ -601,7 +607,8 @@ class ShapeController:
                 self._metrics.probed()
         if not shape.speculates and not plain_allowed:
             shape = max(self._speculating, key=lambda s: (self.policy.score(s, bs), s))
-        if shape != self._active:
+        switched = shape != self._active
+        if switched:
             self.worker.apply_shape_runtime_state(self._states[shape])
             logger.info(
                 "Speculation shape %s -> %s at bs %d (scores %.1f -> %.1f tok/s/req)",
@@ -624,7 +631,12 @@ class ShapeController:
             previous_end = self._last_end[1]
         self._pending.append(
             _Launch(
-                shape, bs, start, previous_end=previous_end, step=self._decode_steps
+                shape,
+                bs,
+                start,
+                previous_end=previous_end,
+                step=self._decode_steps,
+                after_switch=switched,
             )
         )
         return shape
@@ -663,7 +675,12 @@ class ShapeController:
                 period = self._clock.seconds(launch.previous_end, launch.end)
                 if period is not None:
                     seconds = max(seconds, period)
-            if seconds is not None:
+            # The first step after a switch is dearer than the shape's warm steps (its
+            # buffers and graphs come back into the caches the other shape used; after
+            # `none` the draft catches up), often by a tenth and at times several times
+            # over: hysteresis pays for switches. As a price it would keep the shape out at this
+            # batch size and at every size priced from it, where nothing runs it again.
+            if seconds is not None and not launch.after_switch:
                 self.policy.observe_step_time(launch.shape, launch.bs, seconds)
         if self._trace is not None:
             scores = {s.label: self.policy.score(s, launch.bs) for s in self._shapes}
