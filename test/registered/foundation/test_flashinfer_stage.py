@@ -174,3 +174,26 @@ def test_prebuild_makes_the_modules_the_gpu_host_loaded(monkeypatch):
         for n in MODULES_LOADED_FOR_HEAD_DIM_64
         if "head_dim" in n
     }
+
+
+def test_prebuild_without_head_dims_makes_what_every_engine_loads(
+    monkeypatch, tmp_path
+):
+    """`--head-dims ""`: sglang's RMSNorm is FlashInfer's, so a triton engine builds the norm
+    module too; no attention module."""
+    from flashinfer.jit.core import current_compilation_context
+
+    monkeypatch.setattr(current_compilation_context, "TARGET_CUDA_ARCHS", {(9, "0a")})
+    assert sorted(spec.name for spec in stage.module_specs([])) == [
+        "cascade",
+        "norm",
+        "quantization",
+        "sampling",
+    ]
+    asked = []
+    monkeypatch.setattr(
+        stage, "prebuild", lambda out, dims, cache, jobs: asked.append(dims) or []
+    )
+    assert stage.main(["prebuild", str(tmp_path), "--head-dims", ""]) == 0
+    assert stage.main(["prebuild", str(tmp_path), "--head-dims", "64,128"]) == 0
+    assert asked == [[], [64, 128]]

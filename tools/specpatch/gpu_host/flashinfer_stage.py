@@ -24,6 +24,10 @@ version) for sm_90a, so that no device call spends its minutes compiling:
 
     python -m specpatch.gpu_host.flashinfer_stage prebuild .flashinfer --head-dims 64,128
 
+With `--head-dims ""` it builds only the modules that do not depend on the attention backend:
+sglang's RMSNorm calls FlashInfer's, so even a triton engine builds FlashInfer's norm module on
+a host's first start (about a minute of nvcc, inside its first CUDA-graph capture).
+
 The CUDA toolkit here is nvcc and the runtime only: the cuBLAS and cuRAND headers that
 FlashInfer's sources include come from their PyPI wheels (headers only are unpacked), and the
 link gets a stub libcuda.so.1 (a module needs the driver only once loaded, on the GPU host).
@@ -369,7 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         help="here, with nvcc: the modules, compiled for sm_90a, into OUT/" + MODULES,
     )
     b.add_argument("out_dir", type=Path)
-    b.add_argument("--head-dims", default="64,128")
+    b.add_argument(
+        "--head-dims",
+        default="64,128",
+        help='"" for the modules every engine loads whatever its attention backend '
+        "(sglang's RMSNorm is FlashInfer's): what a triton run needs",
+    )
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
 
@@ -385,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             install(args.store, *_flashinfer_package()) or "none",
         )
     elif args.cmd == "prebuild":
-        head_dims = [int(d) for d in args.head_dims.split(",")]
+        head_dims = [int(d) for d in args.head_dims.split(",") if d.strip()]
         cache = Path.home() / ".cache" / "flashinfer-stage"
         names = prebuild(args.out_dir, head_dims, cache, args.jobs)
         print("flashinfer_stage: prebuilt", names)
