@@ -7,17 +7,18 @@
 # Triton's kernels compiled by an earlier call (specpatch.gpu_host.triton_cache), .jit-cache/
 # sglang's nvcc-built modules (specpatch.gpu_host.jit_cache).
 # sglang's own CUDA kernels that nvcc builds on first use (sglang.jit_kernel, through tvm-ffi):
-# one cache path for every process of the call, the bundle's first import included (tvm-ffi
-# may build a module of its own when imported), filled from .jit-cache/ when carried
-# (specpatch.gpu_host.jit_cache, standard library only) before anything imports tvm-ffi.
+# one cache path for every process of the call, the bundle's first import included.
 export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi-cache}
-if [ -f .jit-cache/tvm-ffi-cache.tar.xz ]; then
-  PYTHONPATH=tools:${PYTHONPATH:-} python3 -m specpatch.gpu_host.jit_cache install .jit-cache
-fi
 if [ ! -f .gpu-bundle/env.sh ] && [ -f .gpu-bundle-xz/deps.tar.xz ]; then
   mkdir -p .gpu-bundle && for a in .gpu-bundle-xz/*.tar.xz; do tar -xJf "$a" -C .gpu-bundle; done
 fi
 python3 -c "import sglang" 2>/dev/null && [ -n "${PYTHONPATH:-}" ] || source .gpu-bundle/env.sh
+# The modules of .jit-cache/ when carried (specpatch.gpu_host.jit_cache): once the bundle is
+# installed, whose headers they were built against; install then pins those headers' times,
+# which the install above made newer than every carried module (ninja would rebuild each).
+if [ -f .jit-cache/tvm-ffi-cache.tar.xz ]; then
+  PYTHONPATH=tools:${PYTHONPATH:-} python3 -m specpatch.gpu_host.jit_cache install .jit-cache
+fi
 # The bundle's IPython stand-in lacks what matplotlib asks a loaded IPython (bench_e2e --png):
 # from version 8.24 on it leaves notebook hooks alone.
 ipython_shim=.gpu-bundle/shim/IPython/__init__.py

@@ -30,6 +30,18 @@ BUILT = {
 }
 
 
+@pytest.fixture(autouse=True)
+def header_trees(tmp_path, monkeypatch) -> list[Path]:
+    """The header trees the modules were built against (sglang's jit_kernel, tvm-ffi's
+    include): the host's own installs must not have their times pinned by a test."""
+    roots = [tmp_path / "site" / "sglang" / "jit_kernel", tmp_path / "site" / "include"]
+    for root in roots:
+        (root / "sub").mkdir(parents=True)
+        (root / "sub" / "kernel.cuh").write_text(f"// {root.name}\n")
+    monkeypatch.setattr(jit_cache, "include_roots", lambda: roots)
+    return roots
+
+
 def build_into(cache: Path, folder: str, files=BUILT) -> Path:
     """What tvm-ffi leaves for one module: `<module>_<hash>/` with `<module>.so` once built."""
     module = cache / folder
@@ -71,6 +83,51 @@ def test_built_modules_travel_with_their_times_and_without_the_lock(tmp_path):
     # recorded, or when it is older than its sources
     assert (carried / "cpp_0.o").stat().st_mtime_ns == built_at
     assert [p.name for p in (tmp_path / "host-b").iterdir()] == [carried.name]
+
+
+def test_install_pins_the_header_trees_older_than_every_module(tmp_path, header_trees):
+    """The bundle installs the headers afresh at every call, newer than a carried object:
+    ninja would rebuild it."""
+    built(tmp_path / "host-a", "sgl_kernel_jit_act_1a2b")
+    archive = tmp_path / jit_cache.ARCHIVE
+    jit_cache.pack(tmp_path / "host-a", archive)
+    header = header_trees[0] / "sub" / "kernel.cuh"
+    header.write_text(header.read_text())  # installed again: the time of the install
+
+    assert jit_cache.install(archive, tmp_path / "host-b") == 1
+    carried = tmp_path / "host-b" / "sgl_kernel_jit_act_1a2b"
+    assert header.stat().st_mtime_ns == jit_cache.PINNED_NS
+    assert min(p.stat().st_mtime_ns for p in carried.iterdir()) > jit_cache.PINNED_NS
+    assert not (carried / jit_cache.INPUTS).exists()
+
+
+def test_a_module_built_against_other_headers_stays_out(tmp_path, header_trees):
+    """Pinned times no longer tell ninja that a header changed: such a module builds anew."""
+    built(tmp_path / "host-a", "sgl_kernel_jit_act_1a2b")
+    archive = tmp_path / jit_cache.ARCHIVE
+    jit_cache.pack(tmp_path / "host-a", archive)
+    (header_trees[1] / "sub" / "kernel.cuh").write_text("// another version\n")
+
+    assert jit_cache.install(archive, tmp_path / "host-b") == 0
+    assert list((tmp_path / "host-b").iterdir()) == []
+
+
+def test_the_digest_covers_each_files_tree_path_and_bytes(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        root.mkdir()
+    (a / "x.h").write_text("1")
+    digest = jit_cache.inputs_digest([a, b])
+    (a / "x.h").rename(b / "x.h")  # same path and bytes, the other tree
+    assert jit_cache.inputs_digest([a, b]) != digest
+    (b / "x.h").rename(b / "y.h")
+    moved = jit_cache.inputs_digest([a, b])
+    assert moved != digest
+    (b / "__pycache__").mkdir()
+    (b / "__pycache__" / "x.pyc").write_bytes(
+        b"\0"
+    )  # written by an import, not a header
+    assert jit_cache.inputs_digest([a, b]) == moved
 
 
 def test_a_module_not_built_stays_home(tmp_path):
@@ -187,11 +244,22 @@ LOAD = textwrap.dedent(
     reason="tvm-ffi builds with a C++ compiler and ninja, and this host lacks one",
 )
 def test_a_module_tvm_ffi_built_loads_without_a_build_after_the_trip(tmp_path):
-    """End to end through tvm-ffi: a module built on one host, carried and installed where the
-    next host's cache is, loads there with ninja doing nothing (its build log gains no line
-    and the module keeps its time)."""
+    """End to end through tvm-ffi: a module built on one host, carried to the next, whose
+    tvm-ffi is installed afresh (its headers newer than the module), loads there with ninja
+    doing nothing: its build log gains no line and the module keeps its time."""
+    import tvm_ffi
+
+    installed = Path(tvm_ffi.__file__).parent
+    site = tmp_path / "site"
+
+    def install_site() -> list[Path]:
+        """tvm-ffi as the bundle installs it: every file with the time of the install."""
+        shutil.rmtree(site, ignore_errors=True)
+        shutil.copytree(installed, site / "tvm_ffi", copy_function=shutil.copyfile)
+        return [site / "tvm_ffi" / "include"]
+
     cache = tmp_path / "tvm-ffi-cache"
-    env = dict(os.environ, TVM_FFI_CACHE_DIR=str(cache))
+    env = dict(os.environ, TVM_FFI_CACHE_DIR=str(cache), PYTHONPATH=str(site))
 
     def load() -> str:
         done = subprocess.run(
@@ -200,16 +268,20 @@ def test_a_module_tvm_ffi_built_loads_without_a_build_after_the_trip(tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
+    roots = install_site()
     assert load() == "42"
     (folder,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert f"-I{roots[0]}" in (folder / "build.ninja").read_text()
     module = folder / "specpatch_add_one.so"
     built_at = module.stat().st_mtime_ns
     build_log = (folder / ".ninja_log").read_text()
     archive = tmp_path / "out" / jit_cache.ARCHIVE
-    assert jit_cache.pack(cache, archive).entries == 1
+    assert jit_cache.pack(cache, archive, roots=roots).entries == 1
     shutil.rmtree(cache)  # the next call's host is another machine
 
-    assert jit_cache.install(archive, cache) == 1
+    roots = install_site()
+    assert min(p.stat().st_mtime_ns for p in roots[0].rglob("*.h")) > built_at
+    assert jit_cache.install(archive, cache, roots=roots) == 1
     assert load() == "42"
     assert module.stat().st_mtime_ns == built_at
     assert (folder / ".ninja_log").read_text() == build_log
