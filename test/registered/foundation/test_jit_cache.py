@@ -285,3 +285,14 @@ def test_a_module_tvm_ffi_built_loads_without_a_build_after_the_trip(tmp_path):
     assert load() == "42"
     assert module.stat().st_mtime_ns == built_at
     assert (folder / ".ninja_log").read_text() == build_log
+
+
+def test_collect_without_the_bundles_trees_is_refused(tmp_path, monkeypatch, capsys):
+    """Run without the bundle's PYTHONPATH, collect would record another digest than the
+    host's, and every module would stay out at the next install."""
+    built(tmp_path / "host-a", "sgl_kernel_jit_act_1a")
+    monkeypatch.setattr(jit_cache, "include_roots", lambda: [])
+    monkeypatch.setenv("TVM_FFI_CACHE_DIR", str(tmp_path / "host-a"))
+    assert jit_cache.main(["collect", str(tmp_path / "out")]) == 1
+    assert "not importable here" in capsys.readouterr().err
+    assert not (tmp_path / "out" / jit_cache.ARCHIVE).exists()

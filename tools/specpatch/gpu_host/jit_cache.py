@@ -133,7 +133,15 @@ def pack(
     `roots`, by default include_roots()), to `archive` (tar.xz). Raises ValueError, writing
     nothing, when the archive would exceed max_bytes."""
     modules = _built_modules(cache) if cache.is_dir() else []
-    digest = inputs_digest(include_roots() if roots is None else roots).encode()
+    if roots is None:
+        roots = include_roots()
+        if modules and len(roots) < 2:
+            # Packed with another digest than the host's, every module would stay out.
+            raise ValueError(
+                "sglang's jit_kernel and tvm-ffi's include are not importable here "
+                "(collect with the bundle's PYTHONPATH): not written"
+            )
+    digest = inputs_digest(roots).encode()
     members = []
     for folder, files in modules:
         members += [(f"{folder.name}/{f.name}", f) for f in files]
