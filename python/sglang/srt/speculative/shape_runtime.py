@@ -678,8 +678,9 @@ class ShapeController:
             # The first step after a switch is dearer than the shape's warm steps (its
             # buffers and graphs come back into the caches the other shape used; after
             # `none` the draft catches up), often by a tenth and at times several times
-            # over: hysteresis pays for switches. As a price it would keep the shape out at this
-            # batch size and at every size priced from it, where nothing runs it again.
+            # over: hysteresis pays for switches. As a price it would keep the shape out
+            # at this batch size and at every size priced from it, where nothing runs it
+            # again.
             if seconds is not None and not launch.after_switch:
                 self.policy.observe_step_time(launch.shape, launch.bs, seconds)
         if self._trace is not None:
