@@ -319,6 +319,25 @@ def make_controller(tmp_path, initial=WIDE, **raw):
     return controller, worker, clock, metrics
 
 
+def traced_controller(tmp_path, force_switch_every):
+    """A controller of the wide and narrow trees whose config traces to tmp_path/trace.jsonl,
+    switching shape every force_switch_every steps."""
+    trace_path = tmp_path / "trace.jsonl"
+    config = rt.read_shape_policy(
+        write_config(tmp_path, shapes=["16,3,32", "4,3,8"], trace=str(trace_path))
+    )
+    controller = rt.ShapeController(
+        FakeWorker(),
+        replace(config, force_switch_every=force_switch_every),
+        WIDE,
+        clock=(clock := Clock()),
+        trace=rt.ShapeTrace.open(config.trace),
+    )
+    controller.register(rt.ShapeRuntimeState(WIDE, "built with the worker", None))
+    controller.init_states()
+    return controller, clock, trace_path
+
+
 def test_init_builds_every_shape_but_the_registered_one(tmp_path):
     _, worker, _, _ = make_controller(tmp_path)
     assert worker.built == [NARROW, CHAIN]
@@ -397,19 +416,7 @@ def test_the_first_step_after_a_switch_is_not_the_shapes_price(tmp_path):
     times, under what the table leaves out as a one-off). Priced, it would keep the shape out
     at that batch size and at every size priced from it, where nothing runs it again. Its
     accept lengths count; the trace marks it."""
-    trace_path = tmp_path / "trace.jsonl"
-    config = rt.read_shape_policy(
-        write_config(tmp_path, shapes=["16,3,32", "4,3,8"], trace=str(trace_path))
-    )
-    controller = rt.ShapeController(
-        FakeWorker(),
-        replace(config, force_switch_every=3),
-        WIDE,
-        clock=(clock := Clock()),
-        trace=rt.ShapeTrace.open(config.trace),
-    )
-    controller.register(rt.ShapeRuntimeState(WIDE, "built with the worker", None))
-    controller.init_states()
+    controller, clock, trace_path = traced_controller(tmp_path, force_switch_every=3)
     costs = controller.policy.costs
     for seconds in (0.010, 0.010, 0.010):
         assert run_step(controller, clock, 4, seconds) == WIDE
@@ -850,20 +857,8 @@ def test_one_off_first_steps_of_a_growing_batch_do_not_keep_a_shape_out(tmp_path
 def test_the_trace_says_what_each_result_taught_the_policy(tmp_path):
     """The config's "trace" file: a line per result (shape, bs, device seconds, accept length,
     every shape's score after) and per switch."""
-    trace_path = tmp_path / "trace.jsonl"
-    config = rt.read_shape_policy(
-        write_config(tmp_path, shapes=["16,3,32", "4,3,8"], trace=str(trace_path))
-    )
-    assert config.trace == str(trace_path)
-    controller = rt.ShapeController(
-        FakeWorker(),
-        replace(config, force_switch_every=1),
-        WIDE,
-        clock=(clock := Clock()),
-        trace=rt.ShapeTrace.open(config.trace),
-    )
-    controller.register(rt.ShapeRuntimeState(WIDE, "built with the worker", None))
-    controller.init_states()
+    controller, clock, trace_path = traced_controller(tmp_path, force_switch_every=1)
+    assert controller.config.trace == str(trace_path)
     run_step(controller, clock, 2, 8e-3)
     run_step(controller, clock, 2, 6e-3)  # a forced switch to the narrow tree
     controller.on_verify_complete([2, 1])
