@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -1285,10 +1286,23 @@ def is_fixed_shape_like(name: str, policy: str) -> bool:
     )
 
 
-def policy_ratios(rows: list[dict], policy: str = "policy") -> dict:
+def best_run(row: dict) -> float:
+    return row["tok_per_s"]
+
+
+def median_run(row: dict) -> float:
+    """The row's median run: with a few runs per engine and runs that spread by a third on a
+    host-bound target, the best of each of five engines stands above a sixth's best on noise
+    alone; medians compare like with like."""
+    return statistics.median(row.get("tok_per_s_repeats") or [row["tok_per_s"]])
+
+
+def policy_ratios(
+    rows: list[dict], policy: str = "policy", statistic: Callable = best_run
+) -> dict:
     """Per bs (and the mixed load): policy config `policy`'s tok/s over no speculation and
     over the best fixed shape measured in the same run (the shape policy's targets,
-    docs/shape-policy.md).
+    docs/shape-policy.md), each row's tok/s read by `statistic` (its best run by default).
     {bs: (vs_none or None, vs_best_fixed or None, best fixed config or None)}."""
     out = {}
     for r in rows:
@@ -1297,25 +1311,34 @@ def policy_ratios(rows: list[dict], policy: str = "policy") -> dict:
         same_bs = [x for x in rows if x["bs"] == r["bs"]]
         none = next((x for x in same_bs if x["config"] == "none"), None)
         fixed = [x for x in same_bs if is_fixed_shape_like(x["config"], r["config"])]
-        best = max(fixed, key=lambda x: x["tok_per_s"], default=None)
+        best = max(fixed, key=statistic, default=None)
         out[r["bs"]] = (
-            r["tok_per_s"] / none["tok_per_s"] if none else None,
-            r["tok_per_s"] / best["tok_per_s"] if best else None,
+            statistic(r) / statistic(none) if none else None,
+            statistic(r) / statistic(best) if best else None,
             best["config"] if best else None,
         )
     return out
 
 
+# Runs per engine from which print_policy_ratios also compares medians.
+MEDIAN_RUNS = 3
+
+
 def print_policy_ratios(rows: list[dict]) -> None:
+    medians = all(len(r.get("tok_per_s_repeats") or ()) >= MEDIAN_RUNS for r in rows)
     for policy in POLICY_STEP_TIME:
         ratios = policy_ratios(rows, policy)
         if ratios:
             print_one_policy_ratios(policy, ratios)
+            if medians:
+                print_one_policy_ratios(
+                    policy, policy_ratios(rows, policy, median_run), "median runs"
+                )
 
 
-def print_one_policy_ratios(policy: str, ratios: dict) -> None:
+def print_one_policy_ratios(policy: str, ratios: dict, runs: str = "best runs") -> None:
     print(
-        f"{policy} (targets: >= 1.00x none, >= 0.95x the best fixed shape; "
+        f"{policy}, {runs} (targets: >= 1.00x none, >= 0.95x the best fixed shape; "
         "mixed: > 1.00x):"
     )
     for bs, (vs_none, vs_best, best) in ratios.items():

@@ -325,8 +325,9 @@ def test_each_policy_config_gets_its_own_ratios(capsys):
     assert bench_e2e.policy_ratios(rows, "policy-period")[1][2] == "chain"
     bench_e2e.print_policy_ratios(rows)
     out = capsys.readouterr().out
-    assert "policy (targets" in out and "policy-period (targets" in out
+    assert "policy, best runs (targets" in out and "policy-period, best runs" in out
     assert "1.07x chain" in out
+    assert "median runs" not in out  # one run per engine: nothing more to compare
 
 
 def test_policy_ratios_compare_with_no_speculation_and_the_best_fixed_shape():
@@ -351,6 +352,31 @@ def test_policy_ratios_compare_with_no_speculation_and_the_best_fixed_shape():
     assert ratios[1] == (pytest.approx(1.71), pytest.approx(0.95), "tree")
     assert ratios["mixed"] == (pytest.approx(1.21), pytest.approx(1.1), "chain")
     assert ratios[64] == (None, None, None)
+
+
+def test_with_three_runs_or_more_medians_are_compared_too(capsys):
+    """Engines' runs spread by a third on a host-bound target: the best of four fixed engines'
+    best runs stands above the policy's on noise alone."""
+
+    def runs(config, *tok_per_s):
+        return row(config, 16, max(tok_per_s)) | {"tok_per_s_repeats": list(tok_per_s)}
+
+    rows = [
+        runs("none", 80.0, 82.0, 81.0),
+        runs("chain", 100.0, 101.0, 99.0),
+        runs("narrow", 96.0, 135.0, 97.0),  # one lucky run
+        runs("policy", 100.0, 102.0, 98.0),
+    ]
+    assert bench_e2e.policy_ratios(rows)[16][1:] == (pytest.approx(102 / 135), "narrow")
+    assert bench_e2e.policy_ratios(rows, statistic=bench_e2e.median_run)[16] == (
+        pytest.approx(100 / 81),
+        pytest.approx(100 / 100),
+        "chain",
+    )
+    bench_e2e.print_policy_ratios(rows)
+    out = capsys.readouterr().out
+    assert "policy, median runs" in out and "1.00x chain" in out
+    assert "0.76x narrow" in out
 
 
 def test_prompts_take_their_lengths_from_prompt_len(monkeypatch):
