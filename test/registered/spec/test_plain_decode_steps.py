@@ -101,16 +101,19 @@ def test_the_ring_keeps_each_slots_owed_rows_in_order():
     assert ring.owed(torch.tensor([4, 1]))[2].tolist() == [0, 2]
 
 
-def test_steps_allocate_the_ring_at_the_hidden_width_and_say_when_to_catch_up():
-    steps = pds.PlainDecodeSteps(num_slots=4, width=2)
+def steps_of(num_slots: int, width: int) -> pds.PlainDecodeSteps:
+    return pds.PlainDecodeSteps(
+        pds.DraftRowRing.allocate(num_slots, width, HIDDEN, torch.float32, "cpu")
+    )
+
+
+def test_steps_say_when_to_catch_up():
+    steps = steps_of(num_slots=4, width=2)
+    assert steps.width == 2
     assert not steps.owes_rows and not steps.must_catch_up
     steps.forget(torch.tensor([0]))  # before any `none` step: nothing to clear
-    hidden = torch.zeros(
-        2, 3 * HIDDEN, dtype=torch.bfloat16
-    )  # an EAGLE3 target's width
+    hidden = torch.zeros(2, HIDDEN)
     steps.decoded(torch.tensor([0, 3]), hidden, torch.tensor([5, 6]))
-    assert steps.ring.hidden.shape == (4, 2, 3 * HIDDEN)
-    assert steps.ring.hidden.dtype == torch.bfloat16
     assert steps.owes_rows and not steps.must_catch_up
     steps.decoded(torch.tensor([0, 3]), hidden, torch.tensor([5, 6]))
     assert steps.must_catch_up, "a third step would overflow a ring of two"
@@ -118,6 +121,19 @@ def test_steps_allocate_the_ring_at_the_hidden_width_and_say_when_to_catch_up():
     assert steps.ring.lag.tolist() == [2, 0, 0, 0]
     steps.caught_up(torch.tensor([0]))
     assert not steps.owes_rows and steps.ring.lag.tolist() == [0, 0, 0, 0]
+
+
+def test_a_ring_that_does_not_fit_is_an_error_naming_its_sizes(monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(pds.DraftRowRing, "allocate", out_of_memory)
+    with pytest.raises(RuntimeError) as err:
+        pds.allocate_ring(4097, 32, 4096, torch.bfloat16, "cpu")
+    message = str(err.value)
+    # 4097 x 32 x 4096 bf16 hidden (1.00 GiB) and the int64 tokens and lag beside it.
+    assert "4097 request slots x 32 rows" in message and "1.00 GiB" in message
+    assert "--max-running-requests" in message and '"none"' in message
 
 
 # ----------------------------------------------------------------------------- a `none` step
@@ -342,7 +358,7 @@ class EchoDraft:
 
 def test_the_catch_up_runs_each_requests_owed_rows_and_refreshes_only_theirs():
     width, topk = 3, 2
-    steps = pds.PlainDecodeSteps(num_slots=8, width=width)
+    steps = steps_of(num_slots=8, width=width)
     # Slots 5 and 2 decoded two tokens without speculation; slot 6 joined after (no rows).
     for tokens in ([10, 20], [11, 21]):
         hidden = torch.tensor(tokens, dtype=torch.float32)[:, None].expand(-1, HIDDEN)
@@ -434,12 +450,31 @@ def test_none_runs_on_backends_whose_decode_takes_spec_v2_lengths(
         assert 'for "none"' in why and "flashinfer" in why
 
 
+def eagle_draft_worker(algorithm: str, hidden_size: int, layer_ids=None):
+    """What upstream reads off a draft worker for its draft extend's hidden width and dtype."""
+    eagle_config = {"eagle_aux_hidden_state_layer_ids": layer_ids} if layer_ids else {}
+    model_config = SimpleNamespace(
+        spec_hidden_size=hidden_size,
+        hidden_size=hidden_size,
+        dtype=torch.bfloat16,
+        hf_config=SimpleNamespace(eagle_config=eagle_config),
+    )
+    return SimpleNamespace(
+        speculative_algorithm=SpeculativeAlgorithm.from_string(algorithm),
+        eagle_use_aux_hidden_state=layer_ids is not None,
+        target_worker=SimpleNamespace(
+            model_runner=SimpleNamespace(model_config=model_config)
+        ),
+    )
+
+
 def test_none_steps_exist_only_with_none_in_the_set(tmp_path):
     pool = ReqToTokenPool(
         size=64, max_context_len=8, device="cpu", enable_memory_saver=False
     )
     with_none = write_config(tmp_path, shapes=["16,3,32", "4,3,8", "none"])
-    steps = rt.make_plain_decode_steps(server_args(with_none), pool)
+    draft = eagle_draft_worker("EAGLE", HIDDEN)
+    steps = rt.make_plain_decode_steps(server_args(with_none), pool, draft)
     assert steps.width == 32
     # Every slot the pool hands out has a ring row, its last (size: row 0 pads graphs) too.
     slots = torch.tensor([max(pool.free_slots), min(pool.free_slots)])
@@ -448,7 +483,32 @@ def test_none_steps_exist_only_with_none_in_the_set(tmp_path):
     assert steps.ring.tokens[slots, 0].tolist() == [5, 7]
     rt._cached_policy.cache_clear()
     without = write_config(tmp_path, shapes=["16,3,32", "4,3,8"])
-    assert rt.make_plain_decode_steps(server_args(without), pool) is None
+    assert rt.make_plain_decode_steps(server_args(without), pool, draft) is None
+
+
+@pytest.mark.parametrize(
+    "algorithm,layer_ids,width",
+    [("EAGLE", None, HIDDEN), ("EAGLE3", [1, 5, 9], 3 * HIDDEN)],
+)
+def test_the_ring_is_allocated_at_start_up_at_the_draft_extends_hidden_width(
+    tmp_path, algorithm, layer_ids, width
+):
+    """Before any `none` step, at the width a verify hands the draft extend (an EAGLE3
+    target's captured layers side by side) and in the target's dtype."""
+    pool = ReqToTokenPool(
+        size=16, max_context_len=8, device="cpu", enable_memory_saver=False
+    )
+    path = write_config(tmp_path, shapes=["4,3,8", "1,3,4", "none"])
+    draft = eagle_draft_worker(algorithm, HIDDEN, layer_ids)
+    steps = rt.make_plain_decode_steps(
+        server_args(path, speculative_eagle_topk=4, speculative_num_draft_tokens=8),
+        pool,
+        draft,
+    )
+    assert not steps.owes_rows
+    assert steps.ring.hidden.shape == (pool.req_to_token.shape[0], 8, width)
+    assert steps.ring.hidden.dtype == torch.bfloat16
+    assert steps.ring.tokens.shape == (pool.req_to_token.shape[0], 8)
 
 
 class FakeWorker:

@@ -20,6 +20,7 @@ bounds hold.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ModelWorkerBatch
     from sglang.srt.managers.utils import GenerationBatchResult
     from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+logger = logging.getLogger(__name__)
 
 # Attention backends whose DECODE metadata may see spec v2's host lengths (bounds included).
 PLAIN_DECODE_BACKENDS = frozenset({"triton", "fa3"})
@@ -95,20 +98,52 @@ class DraftRowRing:
         self.lag[req_pool_indices] = 0
 
 
+def allocate_ring(
+    num_slots: int,
+    width: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: "torch.device | str",
+) -> DraftRowRing:
+    """The ring of a server whose policy has `none`, with its size in the log; a shortfall of
+    memory is an error that names what sizes it."""
+    # The hidden rows, and the int64 tokens and lag beside them.
+    total = (
+        num_slots * width * hidden_size * dtype.itemsize + num_slots * (width + 1) * 8
+    )
+    sizes = (
+        f"{num_slots} request slots x {width} rows (the widest shape's draft tokens) x "
+        f"{hidden_size} {dtype} hidden = {total / 2**30:.2f} GiB"
+    )
+    try:
+        ring = DraftRowRing.allocate(num_slots, width, hidden_size, dtype, device)
+    except torch.OutOfMemoryError:
+        raise RuntimeError(
+            f'Not enough memory for the draft rows that "none" steps leave owing: {sizes}. '
+            "Lower --max-running-requests (request slots) or --mem-fraction-static, or "
+            'take "none" out of the shape policy\'s "shapes".'
+        ) from None
+    logger.info(f'Shape policy: "none"\'s owed draft rows: {sizes}')
+    return ring
+
+
 class PlainDecodeSteps:
     """A spec v2 worker's `none` steps and the draft's catch-up after them.
 
     steps_since_catch_up counts the `none` steps since the last catch-up: an upper bound of
     every request's owed rows (a request that joined later owes fewer), known on the host
-    without reading the device. The ring is allocated by the first `none` step, which shows the
-    width of the target's hidden states (an EAGLE3 target captures several layers').
+    without reading the device. The ring comes allocated (at start-up: allocate_ring), so that
+    a shortfall of memory stops the server before it serves rather than in the middle of a
+    batch.
     """
 
-    def __init__(self, num_slots: int, width: int):
-        self.num_slots = num_slots
-        self.width = width
-        self.ring: Optional[DraftRowRing] = None
+    def __init__(self, ring: DraftRowRing):
+        self.ring = ring
         self.steps_since_catch_up = 0
+
+    @property
+    def width(self) -> int:
+        return self.ring.width
 
     @property
     def must_catch_up(self) -> bool:
@@ -121,8 +156,7 @@ class PlainDecodeSteps:
 
     def forget(self, req_pool_indices: torch.Tensor) -> None:
         """Requests whose draft KV a prefill has just written owe nothing."""
-        if self.ring is not None:
-            self.ring.clear(req_pool_indices)
+        self.ring.clear(req_pool_indices)
 
     def decoded(
         self,
@@ -131,14 +165,6 @@ class PlainDecodeSteps:
         next_token_ids: torch.Tensor,
     ) -> None:
         """Record a `none` step's owed rows: hidden [bs, hidden], next_token_ids [bs]."""
-        if self.ring is None:
-            self.ring = DraftRowRing.allocate(
-                self.num_slots,
-                self.width,
-                hidden.shape[-1],
-                hidden.dtype,
-                hidden.device,
-            )
         self.ring.push(req_pool_indices, hidden, next_token_ids)
         self.steps_since_catch_up += 1
 

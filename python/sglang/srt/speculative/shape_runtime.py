@@ -719,18 +719,29 @@ def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
     return controller
 
 
-def make_plain_decode_steps(server_args, req_to_token_pool):
-    """The `none` steps of a worker whose shape policy has `none` in its set, or None."""
-    from sglang.srt.speculative.plain_decode_steps import PlainDecodeSteps
+def make_plain_decode_steps(server_args, req_to_token_pool, draft_worker):
+    """The `none` steps of a worker whose shape policy has `none` in its set, their ring
+    allocated now, at start-up; or None."""
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    from sglang.srt.speculative.plain_decode_steps import (
+        PlainDecodeSteps,
+        allocate_ring,
+    )
 
     config = shape_policy_of(server_args)
     if config is None or NONE not in config.policy.shapes:
         return None
-    # One ring row per req_to_token row: slots run 1..size (row 0 pads CUDA-graph batches).
-    return PlainDecodeSteps(
+    # A ring row holds what a verify hands its draft extend: upstream's width and dtype for
+    # the draft extend's hidden states (an EAGLE3 target's captured layers side by side).
+    ring = allocate_ring(
+        # One ring row per req_to_token row: slots run 1..size (row 0 pads CUDA-graph batches).
         num_slots=req_to_token_pool.req_to_token.shape[0],
         width=reserved_num_draft_tokens(server_args),
+        hidden_size=EagleDraftExtendInput.hidden_size_for(draft_worker),
+        dtype=EagleDraftExtendInput.dtype_for(draft_worker),
+        device=req_to_token_pool.req_to_token.device,
     )
+    return PlainDecodeSteps(ring)
 
 
 # ----------------------------------------------------------------------------- metrics
