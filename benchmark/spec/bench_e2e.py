@@ -9,7 +9,8 @@ Config names: none (no speculation), chain (v2, topk 1, the fast path), chain-ge
 with SGLANG_SPEC_CHAIN_FAST_PATH=0), tree (v2 tree drafting, --tree K,S,D), tree-v1 (the same
 tree on spec v1: what the base falls back to, i.e. --disable-overlap-schedule), narrow (tree
 4,3,8), chain1 (chain 1,1,2: no draft forward), policy (the shape policy over --policy-shapes,
-docs/shape-policy.md). A name may
+docs/shape-policy.md), policy-period (the same, steps timed by periods), none-v2 (a spec v2
+engine whose policy takes only steps without speculation). A name may
 end in @BACKEND to run that config on another attention backend than --attention-backend
 (tree@flashinfer,tree-v1@flashinfer,tree@triton), and then in :PAGE to run it with
 --page-size PAGE (tree@fa3:16,tree-v1@fa3:16; page size 1 without it). With both tree and tree-v1 (and chain)
@@ -60,6 +61,18 @@ CONFIGS = {
 # The policy configs, by the "step_time" of their --speculative-adaptive-config (None: the
 # default, each step's device span; "period": from the end of the step before).
 POLICY_STEP_TIME = {"policy": None, "policy-period": "period"}
+# Not a policy: a spec v2 engine whose shape policy takes nothing but `none` steps, its one
+# speculating shape priced out by given step costs. A `none` step inside the speculative
+# worker against a plain engine's step: --ratios none-v2/none. That shape is the policy's
+# widest, which sets how many `none` steps run between two catch-ups of the draft.
+NONE_V2 = "none-v2"
+CONFIGS[NONE_V2] = (eng.SpecConfig(16, 3, 32), {})
+NONE_V2_POLICY = {
+    "shapes": ["16,3,32", "none"],
+    "step_costs": {"16,3,32": {"1": 1.0}, "none": {"1": 1e-4}},
+}
+# Configs whose engine runs a shape policy: neither a fixed shape nor plain decoding.
+ADAPTIVE_CONFIGS = frozenset({*POLICY_STEP_TIME, NONE_V2})
 # Kernel and host-path A/Bs, each a chain 1,3,4, a wide and a narrow tree config
 # ("chain-SUFFIX", "tree-SUFFIX", "narrow-SUFFIX") with one env switch set against its
 # default, for an A/B in one run:
@@ -293,6 +306,10 @@ def engine_settings(
                 force_switch_every, POLICY_STEP_TIME[config]
             ),
         )
+    if config == NONE_V2:
+        path = Path(tempfile.mkdtemp()) / "none-v2.json"
+        path.write_text(json.dumps(NONE_V2_POLICY))
+        extra.update(speculative_adaptive=True, speculative_adaptive_config=str(path))
     if config in VERIFY_BACKENDS:
         extra["prefill_attention_backend"] = VERIFY_BACKENDS[config]
     if CUDA_GRAPH_BS:
@@ -789,7 +806,7 @@ def spec_efficiency(rows: list[dict], key: str = "tok_per_s") -> dict:
         for r in rows
         # The policy's accept length counts its unspeculated steps' tokens (tokens per
         # verify); a mixed load's rows have no one batch size.
-        if r["config"] not in ("none", *POLICY_STEP_TIME) and r["bs"] != MIXED
+        if r["config"] not in ("none", *ADAPTIVE_CONFIGS) and r["bs"] != MIXED
         if r["bs"] in none and key in r
     }
 
@@ -1214,7 +1231,7 @@ def fixed_shape_rows(rows: list[dict], backend: str) -> Iterator[tuple[str, dict
         config, row_backend, page = split_config(r["config"], backend)
         spec, _ = CONFIGS[config]
         if (
-            config in POLICY_STEP_TIME
+            config in ADAPTIVE_CONFIGS
             or config in VERIFY_BACKENDS
             or spec is None
             or not spec.overlap
@@ -1277,7 +1294,7 @@ def is_fixed_shape_like(name: str, policy: str) -> bool:
     config, backend, page = split_config(name, "")
     spec, env = CONFIGS[config]
     return (
-        config not in POLICY_STEP_TIME
+        config not in ADAPTIVE_CONFIGS
         and config not in VERIFY_BACKENDS  # another backend's verify, not a shape
         and not KERNEL_SWITCHES & env.keys()  # an A/B of a switch, not a shape
         and spec is not None

@@ -631,6 +631,36 @@ def test_a_tree_with_another_backends_verify_runs_sglangs_hybrid_backend(monkeyp
     assert list(bench_e2e.fixed_shape_rows([row], "triton")) == []
 
 
+def test_none_v2_runs_a_spec_v2_engine_whose_policy_takes_only_none_steps(monkeypatch):
+    import json
+
+    from sglang.srt.speculative import shape_runtime
+    from sglang.srt.speculative.shape_policy import NONE, ShapePolicy, StepCostTable
+
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    kwargs = bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "none-v2", [1, 4, 64], "triton"
+    )
+    assert kwargs["speculative_adaptive"] and kwargs["speculative_eagle_topk"] == 16
+    path = kwargs["speculative_adaptive_config"]
+    assert json.loads(Path(path).read_text()) == bench_e2e.NONE_V2_POLICY
+    # The config as the server reads it: past the switch's patience (the engine's first few
+    # decode steps run the flags' tree), `none` at every batch size, nothing probing the tree.
+    config = shape_runtime.read_shape_policy(path)
+    costs = StepCostTable(config.step_costs, config.policy.ema_alpha)
+    policy = ShapePolicy(config.policy, costs, config.policy.shapes[0])
+    chosen = [policy.choose(bs) for bs in [1, 4, 64] * 400 + [2, 48, 128] * 400]
+    first_none = chosen.index(NONE)
+    assert first_none <= config.policy.patience + 1
+    assert set(chosen[first_none:]) == {NONE}
+    # neither a fixed shape nor a row that prices one, nor a spec efficiency
+    assert not bench_e2e.is_fixed_shape_like("none-v2", "policy")
+    row = dict(config="none-v2", bs=4, tok_per_s=1.0, accept_length=1.0)
+    assert list(bench_e2e.fixed_shape_rows([row], "triton")) == []
+    none = {"config": "none", "bs": 4, "tok_per_s": 1.0}
+    assert bench_e2e.spec_efficiency([none, row]) == {}
+
+
 def test_policy_configs_are_found_by_name_and_backend():
     names = ["none", "policy@fa3", "chain", "policy-period"]
     assert bench_e2e.policy_configs(names, "triton") == ["policy@fa3", "policy-period"]
