@@ -190,7 +190,8 @@ def test_a_none_result_commits_one_token_and_passes_the_draft_input_on():
     carried = carried_of(2)
     batch = batch_of([3, 1], [17, 5], carried)
     decoded = GenerationBatchResult(next_token_ids=torch.tensor([7, 9]))
-    result = pds.plain_decode_result(decoded, batch, verify_done=None)
+    plain = pds.plain_decode_batch(batch, torch.arange(4 * 50).view(4, 50))
+    result = pds.plain_decode_result(decoded, batch, plain.seq_lens, verify_done=None)
     assert result.speculative_num_draft_tokens == 1
     assert result.accept_lens.tolist() == [1, 1]
     assert result.correct_drafts.tolist() == [0, 0]

@@ -28,6 +28,7 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative.next_draft_input import select_next_draft_input
+from sglang.srt.speculative.plain_decode_kernels import push_rows
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ModelWorkerBatch
@@ -80,10 +81,7 @@ class DraftRowRing:
     ) -> None:
         """One owed row per request: hidden [bs, hidden], tokens [bs]. The caller catches
         up before a ring holds `width` rows (PlainDecodeSteps.must_catch_up)."""
-        column = self.lag[req_pool_indices]
-        self.hidden[req_pool_indices, column] = hidden.to(self.hidden.dtype)
-        self.tokens[req_pool_indices, column] = tokens.to(torch.int64)
-        self.lag[req_pool_indices] = column + 1
+        push_rows(self.hidden, self.tokens, self.lag, req_pool_indices, hidden, tokens)
 
     def owed(
         self, req_pool_indices: torch.Tensor
@@ -222,12 +220,14 @@ def build_decode_position_kernel(device: "torch.device | str") -> None:
 def plain_decode_result(
     decoded: "GenerationBatchResult",
     batch: "ModelWorkerBatch",
+    new_seq_lens: torch.Tensor,
     verify_done: Optional[torch.cuda.Event],
 ) -> "GenerationBatchResult":
     """What the spec v2 result path reads of a step that committed one token a request and
     proposed no draft: speculative_num_draft_tokens 1 (how the scheduler tells it from a
     speculating step), accept length 1, no correct drafts. The carried draft input passes on
-    unchanged but for its bonus token and lengths, until a catch-up replaces it."""
+    unchanged but for its bonus token and lengths (new_seq_lens: [bs], the DECODE batch's),
+    until a catch-up replaces it."""
     from sglang.srt.speculative.eagle_info import EagleDraftInput
 
     carried: "EagleDraftInput" = batch.spec_info
@@ -238,7 +238,7 @@ def plain_decode_result(
         topk_index=carried.topk_index,
         hidden_states=carried.hidden_states,
         bonus_tokens=next_token_ids.to(carried.bonus_tokens.dtype),
-        new_seq_lens=batch.seq_lens + 1,
+        new_seq_lens=new_seq_lens,
         verify_done=verify_done,
     )
     decoded.speculative_num_draft_tokens = 1
@@ -263,7 +263,7 @@ def run_plain_decode_step(worker, batch: "ModelWorkerBatch") -> "GenerationBatch
     )
     verify_done = torch.get_device_module(batch.seq_lens.device).Event()
     verify_done.record()
-    return plain_decode_result(decoded, batch, verify_done)
+    return plain_decode_result(decoded, batch, plain.seq_lens, verify_done)
 
 
 def speculated(result: "GenerationBatchResult") -> bool:
