@@ -24,9 +24,10 @@ def push_rows_reference(
     hidden: torch.Tensor,
     tokens: torch.Tensor,
 ) -> None:
-    """Append one row per request to its slot's ring, in place: ring_hidden [slots, width,
-    hidden], ring_tokens [slots, width], lag [slots] (rows held); slots [bs] (distinct),
-    hidden [bs, hidden], tokens [bs]. The caller keeps every lag below width."""
+    """Append one row per request to its slot's ring, in place: ring_hidden [num_slots,
+    width, hidden], ring_tokens [num_slots, width], lag [num_slots] (rows each ring holds);
+    slots [bs] (distinct request slots), hidden [bs, hidden], tokens [bs]. Nothing checks
+    that a ring has room: the caller catches up before any lag reaches width."""
     column = lag[slots]
     ring_hidden[slots, column] = hidden.to(ring_hidden.dtype)
     ring_tokens[slots, column] = tokens.to(ring_tokens.dtype)
