@@ -1,7 +1,8 @@
-"""plain_decode_kernels' ring push against its plain-torch reference.
+"""plain_decode_kernels' triton kernels against their plain-torch references.
 
-Each case is a `none` step's batch of requests in request slots over rings of owed rows;
-`check_push_rows` runs the kernel and its reference on copies and compares every output.
+Each case is a `none` step's batch of requests in request slots (over rings of owed rows);
+`check_decode_inputs` and `check_push_rows` run a kernel and its reference on copies and
+compare every output.
 Collected by test_plain_decode_kernels.py: on CUDA directly, on CPU through triton's
 interpreter (this file's own tests, which only run with TRITON_INTERPRET=1).
 """
@@ -15,11 +16,13 @@ import pytest
 import torch
 
 from sglang.srt.speculative.plain_decode_kernels import (
+    decode_inputs_reference,
+    decode_inputs_triton,
     push_rows_reference,
     push_rows_triton,
 )
 
-NUM_SLOTS, WIDTH = 70, 5
+NUM_SLOTS, MAX_CONTEXT, WIDTH = 70, 96, 5
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Case:
     bs: int
     hidden_size: int
     hidden_dtype: torch.dtype = torch.bfloat16  # the target's; the ring's is bfloat16
+    seq_lens_dtype: torch.dtype = torch.int64
     # Rows each slot's ring already holds before the push: "random" below WIDTH, "last"
     # (WIDTH - 1: the push fills the ring), or "empty".
     lag: str = "random"
@@ -39,7 +43,7 @@ CASES = [
     Case("bs7_empty_rings", 7, 96, lag="empty"),
     # hidden wider than the kernel's tile and not a multiple of it (EAGLE3: three layers)
     Case("bs48_wide_hidden", 48, 3 * 1000),
-    Case("bs64_fp32_hidden", 64, 128, torch.float32),
+    Case("bs64_int32_lens_fp32_hidden", 64, 128, torch.float32, torch.int32),
     Case("bs300_several_programs", 300, 32),
 ]
 
@@ -52,6 +56,38 @@ def slots_of(case: Case) -> torch.Tensor:
 
 def num_slots_of(case: Case) -> int:
     return max(NUM_SLOTS, case.bs + 1)
+
+
+def _batch(case: Case, device: str):
+    """The spec v2 batch a `none` step reads: request slots, their lengths, their carried
+    bonus tokens, and req_to_token rows of distinct KV slots."""
+    g = torch.Generator().manual_seed(2)
+    seq_lens = torch.randint(0, MAX_CONTEXT, (case.bs,), generator=g)
+    bonus = torch.randint(0, 32000, (case.bs,), generator=g, dtype=torch.int32)
+    num_slots = num_slots_of(case)
+    req_to_token = torch.randperm(num_slots * MAX_CONTEXT, generator=g).view(
+        num_slots, MAX_CONTEXT
+    )
+    return (
+        req_to_token.to(torch.int32).to(device),
+        slots_of(case).to(device),
+        seq_lens.to(case.seq_lens_dtype).to(device),
+        bonus.to(device),
+    )
+
+
+def check_decode_inputs(case: Case, device: str) -> None:
+    req_to_token, slots, seq_lens, bonus = _batch(case, device)
+    got = decode_inputs_triton(req_to_token, slots, seq_lens, bonus)
+    want = decode_inputs_reference(
+        req_to_token.cpu(), slots.cpu(), seq_lens.cpu(), bonus.cpu()
+    )
+    assert got.input_ids.dtype == got.out_cache_loc.dtype == torch.int64
+    assert got.seq_lens.dtype == seq_lens.dtype
+    assert torch.equal(got.input_ids.cpu(), want.input_ids)
+    assert torch.equal(got.out_cache_loc.cpu(), want.out_cache_loc)
+    assert torch.equal(got.seq_lens.cpu(), want.seq_lens)
+    assert torch.equal(seq_lens.cpu(), want.seq_lens - 1), "input lengths changed"
 
 
 def _rings(case: Case, num_slots: int, g: torch.Generator):
@@ -92,3 +128,12 @@ def check_push_rows(case: Case, device: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_push_rows_kernel_matches_reference(case):
     check_push_rows(case, "cpu")
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="run by test_plain_decode_kernels.py with TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_decode_inputs_kernel_matches_reference(case):
+    check_decode_inputs(case, "cpu")

@@ -1,19 +1,116 @@
-"""A `none` step's ring push (plain_decode_steps.DraftRowRing) in one triton launch.
+"""The small device ops around a `none` step's DECODE graph (plain_decode_steps), one triton
+launch per group.
 
-A `none` step is a plain engine's decode step plus what spec v2 needs around it, and on a
-host-bound target a plain engine's step is bound by the host's launches. Pushing each
-request's owed row in plain torch is advanced indexing (a gather of the rings' fill, two
-indexed writes, an indexed update of the fill: several launches each); on CUDA one kernel does
-it, and the torch version is the reference and the CPU path. The step's other small ops stay
-torch: a triton launch costs the host more than the four torch ops that build the DECODE
-inputs (docs/benchmarks.md, "Build e8987ba8").
+A `none` step is a plain engine's decode step plus what spec v2 needs around it: the DECODE
+inputs built from the spec v2 batch (each request's carried bonus token, at position seq_len,
+into the KV slot spec v2 allocated there) and the owed row pushed onto each request's ring.
+On a host-bound target a plain engine's step is bound by the host's launches, and in plain
+torch these groups are several launches each (advanced indexing alone is several): one
+kernel each costs the host 8-19 us less a step (benchmark/spec/host_op_costs.py,
+docs/benchmarks.md). The plain torch versions are the references and the CPU path.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+# ----------------------------------------------------------------------------- DECODE inputs
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """A `none` step's DECODE batch fields, for a spec v2 batch of bs requests."""
+
+    # [bs] int64: each request's carried bonus token, decoded at position seq_len
+    input_ids: torch.Tensor
+    # [bs] int64: the KV slot of position seq_len, req_to_token[req_pool_indices, seq_lens]
+    out_cache_loc: torch.Tensor
+    # [bs], seq_lens' dtype: seq_lens + 1, the lengths once that token is in
+    seq_lens: torch.Tensor
+
+
+def decode_inputs_reference(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bonus_tokens: torch.Tensor,
+) -> DecodeInputs:
+    """req_to_token: [rows, max_context]; req_pool_indices, seq_lens, bonus_tokens: [bs]."""
+    return DecodeInputs(
+        input_ids=bonus_tokens.to(torch.int64),
+        out_cache_loc=req_to_token[req_pool_indices, seq_lens].to(torch.int64),
+        seq_lens=seq_lens + 1,
+    )
+
+
+@triton.jit
+def _decode_inputs_kernel(
+    req_to_token_ptr,
+    req_to_token_stride,
+    req_pool_indices_ptr,
+    seq_lens_ptr,
+    bonus_tokens_ptr,
+    ids_and_locs_ptr,  # [2, bs] int64: input_ids, then out_cache_loc
+    new_seq_lens_ptr,
+    bs,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < bs
+    row = tl.load(req_pool_indices_ptr + offs, mask=mask, other=0).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
+    loc = tl.load(
+        req_to_token_ptr + row * req_to_token_stride + seq_len, mask=mask, other=0
+    )
+    bonus = tl.load(bonus_tokens_ptr + offs, mask=mask, other=0)
+    tl.store(ids_and_locs_ptr + offs, bonus.to(tl.int64), mask=mask)
+    tl.store(ids_and_locs_ptr + bs + offs, loc.to(tl.int64), mask=mask)
+    tl.store(new_seq_lens_ptr + offs, seq_len + 1, mask=mask)
+
+
+_DECODE_INPUTS_BLOCK = 256
+
+
+def decode_inputs_triton(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bonus_tokens: torch.Tensor,
+) -> DecodeInputs:
+    bs = seq_lens.shape[0]
+    ids_and_locs = torch.empty((2, bs), dtype=torch.int64, device=seq_lens.device)
+    new_seq_lens = torch.empty_like(seq_lens)
+    if bs > 0:
+        grid = (triton.cdiv(bs, _DECODE_INPUTS_BLOCK),)
+        _decode_inputs_kernel[grid](
+            req_to_token,
+            req_to_token.stride(0),
+            req_pool_indices,
+            seq_lens,
+            bonus_tokens,
+            ids_and_locs,
+            new_seq_lens,
+            bs,
+            BLOCK=_DECODE_INPUTS_BLOCK,
+        )
+    return DecodeInputs(ids_and_locs[0], ids_and_locs[1], new_seq_lens)
+
+
+def decode_inputs(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bonus_tokens: torch.Tensor,
+) -> DecodeInputs:
+    run = decode_inputs_triton if seq_lens.is_cuda else decode_inputs_reference
+    return run(req_to_token, req_pool_indices, seq_lens, bonus_tokens)
+
+
+# ----------------------------------------------------------------------------- ring push
 
 
 def push_rows_reference(

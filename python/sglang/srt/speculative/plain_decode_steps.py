@@ -28,7 +28,7 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative.next_draft_input import select_next_draft_input
-from sglang.srt.speculative.plain_decode_kernels import push_rows
+from sglang.srt.speculative.plain_decode_kernels import decode_inputs, push_rows
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ModelWorkerBatch
@@ -188,18 +188,19 @@ def plain_decode_batch(
     at position seq_len (spec v2's committed length), into the slot spec v2 allocated there.
     A copy: the spec v2 batch stays as it was."""
     draft_input: "EagleDraftInput" = batch.spec_info
+    inputs = decode_inputs(
+        req_to_token, batch.req_pool_indices, batch.seq_lens, draft_input.bonus_tokens
+    )
     bs = len(batch.seq_lens)
-    out_cache_loc = req_to_token[batch.req_pool_indices, batch.seq_lens].to(torch.int64)
-    seq_lens = batch.seq_lens + 1
     return dataclasses.replace(
         batch,
         forward_mode=ForwardMode.DECODE,
-        input_ids=draft_input.bonus_tokens.to(torch.int64),
-        seq_lens=seq_lens,
-        orig_seq_lens=seq_lens,
+        input_ids=inputs.input_ids,
+        seq_lens=inputs.seq_lens,
+        orig_seq_lens=inputs.seq_lens,
         seq_lens_cpu=batch.seq_lens_cpu + 1,
         seq_lens_sum=batch.seq_lens_sum + bs,
-        out_cache_loc=out_cache_loc,
+        out_cache_loc=inputs.out_cache_loc,
         spec_info=None,
         capture_hidden_mode=CaptureHiddenMode.LAST,
     )
