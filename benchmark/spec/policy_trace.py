@@ -1,9 +1,11 @@
 """Summarise a shape policy trace (the "trace" file of --speculative-adaptive-config, as
 bench_e2e.py --policy-trace writes it): what the policy ran at each batch size, how long its
 steps took, where it switched, and its slow steps with the Triton compiles logged beside them.
-A step's time is its device span (first launch to last); where the trace has the host's clock
-per result ("t"), each cell also gets its period: the median interval between results of
-consecutive steps of one shape at one batch size, host work included.
+A step's time is its device span (first launch to last), of the steps the policy timed (all of
+them until a shape's price at a batch size is confirmed, then one in "time_every"); where the
+trace has the host's clock per result ("t"), each cell also gets its period: the median
+interval between results of consecutive steps of one shape at one batch size, host work
+included.
 
     python benchmark/spec/policy_trace.py trace.jsonl [--slow-ms 30]
 
@@ -23,6 +25,8 @@ from pathlib import Path
 
 @dataclass
 class TraceSummary:
+    # (bs, shape label) -> decode steps with a result, timed or not
+    steps: collections.Counter = field(default_factory=collections.Counter)
     # (bs, shape label) -> device seconds of each measured step
     step_seconds: dict[tuple[int, str], list[float]] = field(default_factory=dict)
     # (bs, shape label) -> host seconds from the result of the step before (same shape and
@@ -62,10 +66,11 @@ def summarise(lines: list[dict], slow_ms: float = 30.0) -> TraceSummary:
         if period is not None:
             summary.periods.setdefault((line["bs"], line["shape"]), []).append(period)
         previous_result = line
+        key = (line["bs"], line["shape"])
+        summary.steps[key] += 1
         seconds = line.get("seconds")
         if seconds is None:
             continue
-        key = (line["bs"], line["shape"])
         summary.step_seconds.setdefault(key, []).append(seconds)
         if seconds * 1000 > slow_ms:
             summary.slow_steps.append(
@@ -94,25 +99,26 @@ def step_period(previous: dict | None, line: dict) -> float | None:
 
 def print_summary(summary: TraceSummary, min_steps: int = 5) -> None:
     print(
-        "steps by batch size and shape (count, device span median and max ms, "
-        "period median ms where the trace has the host's clock):"
+        "steps by batch size and shape (count, how many timed, their device span median "
+        "and max ms, period median ms where the trace has the host's clock):"
     )
-    for (bs, shape), seconds in sorted(summary.step_seconds.items()):
-        if len(seconds) >= min_steps:
-            periods = summary.periods.get((bs, shape), [])
-            print(
-                f"  bs {bs:>3} {shape:>8}: {len(seconds):>4} steps, "
-                f"median {statistics.median(seconds) * 1000:7.2f}, "
+    for (bs, shape), count in sorted(summary.steps.items()):
+        if count < min_steps:
+            continue
+        seconds = summary.step_seconds.get((bs, shape), [])
+        periods = summary.periods.get((bs, shape), [])
+        row = f"  bs {bs:>3} {shape:>8}: {count:>4} steps, {len(seconds):>4} timed"
+        if seconds:
+            row += (
+                f", median {statistics.median(seconds) * 1000:7.2f}, "
                 f"max {max(seconds) * 1000:8.1f}"
-                + (
-                    f", period {statistics.median(periods) * 1000:7.2f}"
-                    if periods
-                    else ""
-                )
             )
+        if periods:
+            row += f", period {statistics.median(periods) * 1000:7.2f}"
+        print(row)
     shapes = collections.Counter()
-    for (_, shape), seconds in summary.step_seconds.items():
-        shapes[shape] += len(seconds)
+    for (_, shape), count in summary.steps.items():
+        shapes[shape] += count
     print("steps by shape: " + ", ".join(f"{s} {n}" for s, n in shapes.most_common()))
     print(f"switches ({len(summary.switches)}):")
     for step, old, new, bs in summary.switches:

@@ -37,6 +37,8 @@ def test_steps_switches_and_slow_steps_with_their_compiles():
         (4, "1,3,4"): [0.003, 0.003, 0.415],
         (8, "4,3,8"): [0.05],
     }
+    # Step 5 was not timed: counted, without seconds.
+    assert summary.steps == {(4, "1,3,4"): 4, (8, "4,3,8"): 1}
     assert summary.switches == [(1, "16,3,32", "1,3,4", 4)]
     (slow, other) = summary.slow_steps
     assert slow[:3] == (4, 4, "1,3,4")
@@ -56,7 +58,7 @@ def test_gzipped_traces_are_read(tmp_path, capsys):
     )
 
     out = capsys.readouterr().out
-    assert "bs   4    1,3,4:    3 steps" in out
+    assert "bs   4    1,3,4:    4 steps,    3 timed, median    3.00" in out
     assert "step 4: bs 4 1,3,4 415.0 ms | compiled: assign_req_to_token_pool" in out
     assert "Triton compiles logged: 1, 412 ms in all" in out
 
@@ -89,7 +91,28 @@ def test_periods_are_host_intervals_between_consecutive_steps_of_one_cell(capsys
     policy_trace.print_summary(summary, min_steps=1)
     out = capsys.readouterr().out
     assert (
-        "bs   4    1,3,4:    4 steps, median    3.00, max      3.0, period    5.50"
-        in out
+        "bs   4    1,3,4:    4 steps,    4 timed, median    3.00, max      3.0, "
+        "period    5.50" in out
     )
-    assert "bs   5    1,3,4:    1 steps, median    3.00, max      3.0\n" in out
+    assert (
+        "bs   5    1,3,4:    1 steps,    1 timed, median    3.00, max      3.0\n" in out
+    )
+
+
+def test_untimed_steps_count_and_keep_their_periods(capsys):
+    """Past a confirmed price the policy times one step in time_every: the others' lines
+    have "seconds": null, and still count as steps and give periods."""
+    lines = [
+        {"step": s, "shape": "1,3,4", "bs": 16, "seconds": None, "t": 1 + s * 0.004}
+        for s in range(1, 9)
+    ]
+    lines[3]["seconds"] = 0.003
+
+    policy_trace.print_summary(policy_trace.summarise(lines), min_steps=1)
+
+    out = capsys.readouterr().out
+    assert (
+        "bs  16    1,3,4:    8 steps,    1 timed, median    3.00, max      3.0, "
+        "period    4.00" in out
+    )
+    assert "steps by shape: 1,3,4 8" in out
