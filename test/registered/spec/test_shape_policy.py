@@ -435,6 +435,49 @@ def test_a_challenger_within_the_margin_never_takes_over():
     assert policy.counters.switches == 0
 
 
+def test_a_stale_challenger_is_probed_before_a_switch_on_patience():
+    """The 1.21B target at bs 64 on a shared host: the chain (2.55 tokens in 4.27 ms) beats
+    the narrow tree (2.91 in 5.68 ms) by 17 %. The host slows down by a quarter while the
+    chain runs: its price follows, the narrow tree's, set by its last run long before, does
+    not, and the narrow tree looks 7 % better, past the margin. Switching on that would run
+    it for `patience` steps or more; a probe prices it at the host's new speed in
+    PRICE_PROBE_STEPS steps, and the policy stays on the chain."""
+    cfg = PolicyConfig(shapes=(NARROW, CHAIN))
+    seconds = {NARROW: 5.68e-3, CHAIN: 4.27e-3}
+    draws = {NARROW: [3] * 58 + [2] * 6, CHAIN: [3] * 35 + [2] * 29}  # 2.91, 2.55
+    policy = ShapePolicy(
+        cfg,
+        StepCostTable({s: {64: seconds[s]} for s in seconds}, cfg.ema_alpha),
+        CHAIN,
+        initial_accept_lengths={NARROW: 2.91, CHAIN: 2.55},
+    )
+    ran, probing = [], []
+    for step in range(500):
+        slowdown = 1.25 if step >= 300 else 1.0
+        shape = policy.choose(64)
+        ran.append(shape)
+        probing.append(policy.probing)
+        policy.observe_accept(shape, draws[shape])
+        policy.observe_step_time(shape, 64, seconds[shape] * slowdown)
+    assert ran[:300] == [CHAIN] * 300
+    after = ran[300:]
+    assert after.count(NARROW) == ShapePolicy.PRICE_PROBE_STEPS
+    assert all(p for s, p in zip(after, probing[300:]) if s == NARROW)
+    assert after[-100:] == [CHAIN] * 100
+
+
+def test_a_fresh_challenger_is_switched_to_on_patience():
+    """Where the challenger ran within STALE_AFTER steps, patience alone decides."""
+    policy = make_policy(initial=CHAIN, shapes=(NARROW, CHAIN))
+    policy.accept_length[NARROW] = 2.0
+    assert run(policy, 1, 100) == [CHAIN] * 100
+    policy.accept_length[NARROW] = 2.8  # 2.8 / 3.6 ms against 2.4 / 3.4 ms: 10 % ahead
+    policy._last_run[NARROW] = policy._step  # as if it had just run
+    chosen = run(policy, 1, policy.config.patience)
+    assert chosen[-1] == NARROW and NARROW not in chosen[:-1]
+    assert policy.counters.switches == 1 and policy.counters.probes == 0
+
+
 def test_a_flapping_batch_size_does_not_switch():
     # bs 16 favours the chain (1.49x), bs 1 the wide tree (1.32x): alternating, no challenger
     # lasts 3 decisions, and neither wins by the decisive margin.
@@ -447,13 +490,13 @@ def test_a_flapping_batch_size_does_not_switch():
 
 def test_measured_acceptance_moves_the_choice():
     policy = make_policy(patience=2)
-    for _ in range(80):
+    for _ in range(400):
         policy.observe_accept(WIDE, [1, 1, 2, 1])  # the draft stopped agreeing
     assert policy.accept_length[WIDE] == pytest.approx(1.25, abs=0.01)
     # bs 1 then prefers the narrow tree (2.9 / 3.6 ms against 1.25 / 4.0 ms): 2.6x, decisive.
     assert run(policy, 1, 3) == [NARROW, NARROW, NARROW]
     policy = make_policy(patience=2, decisive_margin=2.0)
-    for _ in range(80):
+    for _ in range(400):
         policy.observe_accept(WIDE, [1, 1, 2, 1])
     assert run(policy, 1, 3) == [WIDE, NARROW, NARROW]  # after patience
 

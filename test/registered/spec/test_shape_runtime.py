@@ -73,6 +73,9 @@ def test_a_config_with_shapes_is_read_and_checked(tmp_path):
         ({"shapes": ["16,3,32"]}, "at least two shapes"),
         ({"shapes": ["16,3,32", "16,3"]}, "is not TOPK,STEPS,DRAFT_TOKENS"),
         ({"shapes": ["16,3,32", "1,3,4"], "step_time": "wall"}, '"step_time" must be'),
+        ({"shapes": ["16,3,32", "1,3,4"], "time_every": 0}, '"time_every" must be'),
+        ({"shapes": ["16,3,32", "1,3,4"], "time_every": 2.5}, '"time_every" must be'),
+        ({"shapes": ["16,3,32", "1,3,4"], "time_every": True}, '"time_every" must be'),
     ],
 )
 def test_bad_configs_are_refused_naming_the_flag(tmp_path, raw, match):
@@ -521,6 +524,85 @@ def test_a_step_launched_without_after_decode_is_not_timed(tmp_path):
     assert controller.policy.costs.seconds(WIDE, 1) == rt.StepCostTable(
         {}, 0.2
     ).seconds(WIDE, 1)
+
+
+class CountingClock(Clock):
+    def __init__(self):
+        super().__init__()
+        self.marks = 0
+
+    def mark(self):
+        self.marks += 1
+        return super().mark()
+
+
+def run_lagged(controller, clock, steps, seconds, host_gap=0.0):
+    """`steps` decode steps of one request under the overlap scheduler (each result read
+    after the next step launched), each `seconds` on the device with `host_gap` of host work
+    between; returns the seconds charged, in result order."""
+    charged = []
+    observe = controller.policy.observe_step_time
+
+    def record(shape, bs, seconds):
+        charged.append(round(seconds, 6))
+        observe(shape, bs, seconds)
+
+    controller.policy.observe_step_time = record
+    for i in range(steps):
+        run_step(controller, clock, 1, seconds)
+        clock.now += host_gap
+        if i > 0:
+            controller.on_verify_complete([2])
+    controller.on_verify_complete([2])
+    return charged
+
+
+def test_a_confirmed_price_is_timed_one_step_in_time_every(tmp_path):
+    """Timing events and table updates are a few per cent of a host-bound step: once a
+    shape's price at a batch size is more than a first step's, one step in time_every is
+    timed, and each timed step still places its own two marks."""
+    controller, _, _, _ = make_controller(tmp_path, force_switch_every=100)
+    controller._clock = clock = CountingClock()
+    assert controller.config.time_every == 4
+    charged = run_lagged(controller, clock, 15, 0.010)
+    # Steps 1-3 launch before a second result confirms the price; then steps 7, 11 and 15.
+    assert charged == [0.010] * 6
+    assert clock.marks == 2 * 6
+
+
+def test_time_every_1_times_every_step(tmp_path):
+    controller, _, _, _ = make_controller(
+        tmp_path, force_switch_every=100, time_every=1
+    )
+    controller._clock = clock = CountingClock()
+    assert run_lagged(controller, clock, 10, 0.010) == [0.010] * 10
+    assert clock.marks == 20
+
+
+def test_with_step_time_period_a_sampled_step_is_charged_its_period(tmp_path):
+    """The step before a timed one gets an end mark although it is not timed itself, so the
+    sampled step is charged the host work before it too."""
+    controller, _, _, _ = make_controller(
+        tmp_path, force_switch_every=100, step_time="period"
+    )
+    controller._clock = clock = CountingClock()
+    charged = run_lagged(controller, clock, 11, 0.010, host_gap=0.005)
+    # The first has no step before it; steps 2, 3, 7 and 11 are charged from the end of the
+    # one before.
+    assert charged == [0.010] + [0.015] * 4
+    # Two marks per timed step and one on each of steps 6 and 10, which lead a timed step.
+    assert clock.marks == 2 * 5 + 2
+
+
+def test_every_step_of_a_probe_is_timed(tmp_path, monkeypatch):
+    """A probe runs a few steps to price a shape: each is timed, confirmed price or not."""
+    controller, _, _, _ = make_controller(tmp_path, force_switch_every=100)
+    controller._clock = clock = CountingClock()
+    run_lagged(controller, clock, 3, 0.010)  # the price at bs 1 confirmed
+    monkeypatch.setattr(
+        rt.ShapePolicy, "probing", property(lambda policy: True), raising=True
+    )
+    assert run_lagged(controller, clock, 5, 0.010) == [0.010] * 5
 
 
 def test_given_costs_place_no_device_marks(tmp_path):

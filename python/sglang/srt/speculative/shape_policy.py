@@ -87,8 +87,10 @@ class PolicyConfig:
     # Request-steps the accept-length estimate averages over. A step of n requests counts as
     # n draws: one request's accept length ranges over 1 .. num_steps + 1, so a per-step
     # weight would let a batch of one swing the estimate by far more than the margin, and the
-    # policy would leave the best shape on a run of short draws.
-    accept_horizon: int = 64
+    # policy would leave the best shape on a run of short draws. One draw's spread is about
+    # 1 token, so over the EMA's 2 x horizon draws the estimate of a chain's 2.5 wanders by
+    # 1 / sqrt(2 x horizon) / 2.5: 4 % at 64, the margin's size, and 2 % at 256.
+    accept_horizon: int = 256
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, object], check_shape=None) -> "PolicyConfig":
@@ -333,6 +335,10 @@ class StepCostTable:
             del self._units[(shape, other)]
             self._seconds_per_unit = None
 
+    def confirmed(self, shape: Shape, bs: int) -> bool:
+        """Whether the shape's point at bs is more than its first step's there (or given)."""
+        return bs in self._confirmed.get(shape, ())
+
     def measured_near(self, shape: Shape, bs: int) -> bool:
         """Whether the shape has a point within a factor NEAR of bs: its price there is more
         than a guess carried from afar."""
@@ -380,6 +386,12 @@ class ShapePolicy:
     # the running shape the guess may score.
     PRICE_PROBE_STEPS = 3
     PRICE_PROBE_MARGIN = 0.25
+    # A challenger idle for more steps than this is probed (PRICE_PROBE_STEPS) before the
+    # policy switches to it on patience: its price is as old as its last run, the running
+    # shape's as fresh as its last step, and a host or device that slowed down since makes
+    # every idle shape look cheaper than it is now. A decisive challenger (a batch that
+    # jumped) is switched to at once.
+    STALE_AFTER = 64
 
     def __init__(
         self,
@@ -449,6 +461,9 @@ class ShapePolicy:
                 self._streak += 1
             else:
                 self._challenger, self._streak = best, 1
+            if self._streak >= self.config.patience and self._stale(best):
+                self._start_probe(best, bs, self.PRICE_PROBE_STEPS)
+                return self._ran(self.current)
             if self._streak >= self.config.patience:
                 self._switch(best)
             else:
@@ -464,12 +479,25 @@ class ShapePolicy:
         else:
             steps = self.config.probe_steps
         if probe is not None:
-            self.counters.probes += 1
-            self._probe_return = self.current
-            self._probe_left = steps
-            self._probe_bs = bs
-            self._switch(probe, counted=False)
+            self._start_probe(probe, bs, steps)
         return self._ran(self.current)
+
+    @property
+    def probing(self) -> bool:
+        """Whether the step just chosen is a probe's (its price is what the probe is for)."""
+        return self._probe_left > 0
+
+    def _start_probe(self, shape: Shape, bs: int, steps: int) -> None:
+        self.counters.probes += 1
+        self._probe_return = self.current
+        self._probe_left = steps
+        self._probe_bs = bs
+        self._switch(shape, counted=False)
+
+    def _stale(self, shape: Shape) -> bool:
+        """Whether the shape's score rests on a run older than STALE_AFTER steps. `none`'s
+        price is the target's decode step, which drifts with the rest: stale alike."""
+        return self._step - self._last_run[shape] > self.STALE_AFTER
 
     def observe_accept(self, shape: Shape, accept_lengths: Sequence[int]) -> None:
         """Feed the tokens each request committed in a step of `shape` (drafts + bonus)."""

@@ -54,6 +54,7 @@ POLICY_KEYS = frozenset(
         "ema_alpha",
         "accept_horizon",
         "force_switch_every",
+        "time_every",
         "step_costs",
         "step_time",
         "trace",
@@ -87,6 +88,11 @@ class ShapePolicyConfig:
     # scores after (ShapeTrace): why it runs the shape it runs.
     trace: Optional[str] = None
     step_time: str = SPAN  # SPAN or PERIOD
+    # Once a shape's price at a batch size is confirmed (StepCostTable.confirmed), one of its
+    # steps there in this many is timed. A timed step costs the scheduler two CUDA events and
+    # a table update, a few per cent of a host-bound step; a warm price moves slowly, and
+    # every step is timed again wherever the price is a first step's or a guess.
+    time_every: int = 4
 
     @property
     def deterministic(self) -> bool:
@@ -121,6 +127,13 @@ def read_shape_policy(
         raise ValueError(
             f'{CONFIG_FLAG} {path}: "force_switch_every" must be an integer >= 0'
         )
+    time_every = raw.get("time_every", ShapePolicyConfig.time_every)
+    if (
+        isinstance(time_every, bool)
+        or not isinstance(time_every, int)
+        or time_every < 1
+    ):
+        raise ValueError(f'{CONFIG_FLAG} {path}: "time_every" must be an integer >= 1')
     policy = PolicyConfig.from_dict(raw, check_shape)
     costs = None
     if "step_costs" in raw:
@@ -138,7 +151,7 @@ def read_shape_policy(
             f'{CONFIG_FLAG} {path}: "step_time" must be "{SPAN}" or "{PERIOD}", '
             f"got {step_time!r}"
         )
-    return ShapePolicyConfig(policy, every, costs, trace, step_time)
+    return ShapePolicyConfig(policy, every, costs, trace, step_time, time_every)
 
 
 def read_step_costs(
@@ -251,6 +264,7 @@ def flags_shape(server_args) -> Shape:
 # ----------------------------------------------------------------------------- reservations
 
 
+@functools.lru_cache(maxsize=64)
 def _alloc_len(shape: Shape) -> int:
     from sglang.srt.speculative.paged_tree_layout import alloc_len_per_decode
 
@@ -267,8 +281,14 @@ def reserved_shapes(server_args) -> tuple[Shape, ...]:
 
 
 def reserved_alloc_len(server_args) -> int:
-    """KV positions a spec v2 step may write past seq_len, for any shape the step may take."""
-    return max(_alloc_len(s) for s in reserved_shapes(server_args))
+    """KV positions a spec v2 step may write past seq_len, for any shape the step may take.
+    Read before every decode step (get_alloc_len_per_decode)."""
+    return _largest_alloc_len(reserved_shapes(server_args))
+
+
+@functools.lru_cache(maxsize=64)
+def _largest_alloc_len(shapes: tuple[Shape, ...]) -> int:
+    return max(_alloc_len(s) for s in shapes)
 
 
 def reserved_num_draft_tokens(server_args) -> int:
@@ -570,6 +590,8 @@ class ShapeController:
         self._last_end: Optional[tuple[Shape, object]] = None
         # Whether the next decode step is the first since a forward of another kind.
         self._first_after_other = False
+        # Decode steps launched untimed since the last timed one (config.time_every).
+        self._untimed = 0
 
     @property
     def active(self) -> Shape:
@@ -625,9 +647,11 @@ class ShapeController:
             self._active = shape
         if self._metrics is not None:
             self._metrics.stepped(shape)
-        start = self._clock.mark() if self._clock is not None else None
+        timed = self._clock is not None and self._times(shape, bs)
+        self._untimed = 0 if timed else self._untimed + 1
+        start = self._clock.mark() if timed else None
         previous_end = None
-        if self._last_end is not None and self._last_end[0] == shape:
+        if timed and self._last_end is not None and self._last_end[0] == shape:
             previous_end = self._last_end[1]
         self._pending.append(
             _Launch(
@@ -641,13 +665,30 @@ class ShapeController:
         )
         return shape
 
+    def _times(self, shape: Shape, bs: int) -> bool:
+        """Whether a step of `shape` at bs launched now is timed: every step of a probe and
+        every step until the shape's price there is confirmed, then one in
+        config.time_every."""
+        due = self._untimed + 1 >= self.config.time_every
+        return due or self.policy.probing or not self.policy.costs.confirmed(shape, bs)
+
     def after_decode(self) -> None:
         """The decode step before_decode announced has launched all its work."""
         if self._clock is not None and self._pending:
             launch = self._pending[-1]
-            launch.end = self._clock.mark()
-            if self.config.step_time == PERIOD and not self._first_after_other:
-                self._last_end = (launch.shape, launch.end)
+            # With PERIOD a timed step is charged from the end of the step before it, which
+            # is marked where the next step, at this shape and batch size, will be timed.
+            leads = (
+                self.config.step_time == PERIOD
+                and not self._first_after_other
+                and self._times(launch.shape, launch.bs)
+            )
+            end = None
+            if launch.start is not None or leads:
+                end = self._clock.mark()
+            if launch.start is not None:
+                launch.end = end
+            self._last_end = (launch.shape, end) if leads else None
         self._first_after_other = False
 
     def after_other_forward(self) -> None:
