@@ -605,34 +605,6 @@ def test_every_step_of_a_probe_is_timed(tmp_path, monkeypatch):
     assert run_lagged(controller, clock, 5, 0.010) == [0.010] * 5
 
 
-def test_a_step_after_the_batch_changed_size_prices_only_a_new_size_range(tmp_path):
-    """A step right after requests joined or left runs slower than the steady steps at its
-    size: where the shape has a price near that size, it is not a price. A draining batch
-    (48, 47, 46) keeps the steady bs-48 price; a size far from every price gets one."""
-    controller, _, clock, _ = make_controller(
-        tmp_path, force_switch_every=100, time_every=1
-    )
-    charged = []
-    observe = controller.policy.observe_step_time
-
-    def record(shape, bs, seconds):
-        charged.append((bs, round(seconds, 6)))
-        observe(shape, bs, seconds)
-
-    controller.policy.observe_step_time = record
-    for bs, seconds in [
-        (48, 0.004),
-        (48, 0.004),
-        (47, 0.0055),  # resized, near bs 48's price
-        (46, 0.0055),  # resized again
-        (46, 0.004),  # steady at 46
-        (8, 0.003),  # resized, nothing priced within a factor 2
-    ]:
-        run_step(controller, clock, bs, seconds)
-        controller.on_verify_complete([2] * bs)
-    assert charged == [(48, 0.004), (48, 0.004), (46, 0.004), (8, 0.003)]
-
-
 def test_given_costs_place_no_device_marks(tmp_path):
     controller, _, clock, _ = make_controller(tmp_path, step_costs=COSTS)
     run_step(controller, clock, 1, 0.5)
