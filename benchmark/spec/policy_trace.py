@@ -9,6 +9,14 @@ included.
 
     python benchmark/spec/policy_trace.py trace.jsonl [--slow-ms 30]
 
+With --prices-at STEP ..., the step cost table the policy had before each of those steps'
+results: the trace's measured step times (result lines with "seconds", less the first step
+after each switch, which the controller does not price) replayed in order into sglang's
+StepCostTable, each shape's seconds at --prices-bs, a first step's provisional price marked
+"*": why a shape was passed over. --resized-near-rule replays the rule session 62 tried and
+reverted (a step whose batch size differs from the step before is no price where the shape
+has one within a factor 2).
+
 CPU only; reads plain or gzipped JSON lines (docs/benchmarks/*.jsonl.gz).
 """
 
@@ -134,6 +142,60 @@ def print_summary(summary: TraceSummary, min_steps: int = 5) -> None:
     print(f"Triton compiles logged: {len(summary.compiles)}, {total:.0f} ms in all")
 
 
+def replay_prices(
+    lines: list[dict],
+    steps: list[int],
+    batch_sizes: list[int],
+    ema_alpha: float = 0.2,
+    resized_near_rule: bool = False,
+) -> dict[int, dict[str, dict[int, tuple[float, bool]]]]:
+    """{step: {shape label: {bs: (seconds, provisional)}}}: the cost table as it was when the
+    result line of each given step came, before that line's own price."""
+    from sglang.srt.speculative.shape_policy import Shape, StepCostTable
+
+    table = StepCostTable({}, ema_alpha)
+    shapes = sorted({line["shape"] for line in lines if "shape" in line})
+    wanted, prices, last_bs = set(steps), {}, 0
+
+    def snapshot() -> dict[str, dict[int, tuple[float, bool]]]:
+        return {
+            label: {
+                bs: (
+                    table.seconds(Shape.parse(label), bs),
+                    table.provisional(Shape.parse(label), bs),
+                )
+                for bs in batch_sizes
+            }
+            for label in shapes
+        }
+
+    for line in lines:
+        if "shape" not in line:
+            continue
+        if line["step"] in wanted and line["step"] not in prices:
+            prices[line["step"]] = snapshot()
+        shape, bs, seconds = Shape.parse(line["shape"]), line["bs"], line.get("seconds")
+        resized = last_bs not in (0, bs)
+        last_bs = bs
+        if seconds is None or line.get("after_switch"):
+            continue
+        if resized_near_rule and resized and table.measured_near(shape, bs):
+            continue
+        table.observe(shape, bs, seconds)
+    return prices
+
+
+def print_prices(prices: dict[int, dict[str, dict[int, tuple[float, bool]]]]) -> None:
+    for step, by_shape in sorted(prices.items()):
+        print(f"prices (ms) before step {step}'s result:")
+        for label, by_bs in by_shape.items():
+            cells = ", ".join(
+                f"bs {bs} {seconds * 1000:.2f}{'*' if provisional else ''}"
+                for bs, (seconds, provisional) in by_bs.items()
+            )
+            print(f"  {label:>8}: {cells}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", type=Path)
@@ -141,8 +203,19 @@ def main() -> None:
     p.add_argument(
         "--min-steps", type=int, default=5, help="list (bs, shape) cells this full"
     )
+    p.add_argument("--prices-at", type=int, nargs="+", default=[], metavar="STEP")
+    p.add_argument("--prices-bs", default="1,4,16,48,64")
+    p.add_argument("--resized-near-rule", action="store_true")
     args = p.parse_args()
-    print_summary(summarise(read_lines(args.trace), args.slow_ms), args.min_steps)
+    lines = read_lines(args.trace)
+    if args.prices_at:
+        batch_sizes = [int(bs) for bs in args.prices_bs.split(",")]
+        prices = replay_prices(
+            lines, args.prices_at, batch_sizes, resized_near_rule=args.resized_near_rule
+        )
+        print_prices(prices)
+        return
+    print_summary(summarise(lines, args.slow_ms), args.min_steps)
 
 
 if __name__ == "__main__":

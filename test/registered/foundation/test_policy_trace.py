@@ -116,3 +116,37 @@ def test_untimed_steps_count_and_keep_their_periods(capsys):
         "period    4.00" in out
     )
     assert "steps by shape: 1,3,4 8" in out
+
+
+REPLAY_LINES = [
+    {"step": 1, "shape": "1,3,4", "bs": 3, "seconds": 0.003},
+    # A batch drained from 3 to 1: the chain's first step at bs 1, slow, is provisional.
+    {"step": 2, "shape": "1,3,4", "bs": 1, "seconds": 0.009},
+    {"step": 3, "shape": "1,3,4", "bs": 2, "seconds": 0.003},
+    {"step": 4, "shape": "1,3,4", "bs": 1, "seconds": 0.0025},  # resized again
+    {"step": 5, "switch": ["1,3,4", "4,3,8"], "bs": 1},
+    {"step": 5, "shape": "4,3,8", "bs": 1, "seconds": 0.050, "after_switch": True},
+    {"step": 6, "shape": "4,3,8", "bs": 1, "seconds": 0.003},
+]
+
+
+def test_prices_replay_the_cost_table_before_a_given_result():
+    """--prices-at: the measured steps before the given one, in order, through sglang's
+    StepCostTable. A first step's price is provisional ("*") and the next step at its size
+    replaces it; a switch's first step is no price."""
+    prices = policy_trace.replay_prices(REPLAY_LINES, [2, 6], [1, 3])
+
+    assert prices[2]["1,3,4"][3] == (pytest.approx(0.003), True)
+    assert prices[6]["1,3,4"][1] == (pytest.approx(0.0025), False)
+    narrow_at_1, provisional = prices[6]["4,3,8"][1]
+    assert not provisional and narrow_at_1 < 0.010  # not the switch's 50 ms
+
+
+def test_prices_replay_the_resized_near_rule_that_kept_a_first_step(capsys):
+    """Session 62's reverted rule: a step after a resize is no price where the shape has a
+    point within a factor 2, its own provisional first step included, so the slow first
+    step at bs 1 stays the chain's price there."""
+    prices = policy_trace.replay_prices(REPLAY_LINES, [6], [1], resized_near_rule=True)
+    assert prices[6]["1,3,4"][1] == (pytest.approx(0.009), True)
+    policy_trace.print_prices(prices)
+    assert "1,3,4: bs 1 9.00*" in capsys.readouterr().out

@@ -339,6 +339,10 @@ class StepCostTable:
         """Whether the shape's point at bs is more than its first step's there (or given)."""
         return bs in self._confirmed.get(shape, ())
 
+    def provisional(self, shape: Shape, bs: int) -> bool:
+        """Whether the shape's point at bs is a first step's: an upper bound (above)."""
+        return bs in self._points.get(shape, ()) and not self.confirmed(shape, bs)
+
     def measured_near(self, shape: Shape, bs: int) -> bool:
         """Whether the shape has a point within a factor NEAR of bs: its price there is more
         than a guess carried from afar."""
