@@ -605,6 +605,41 @@ def test_every_step_of_a_probe_is_timed(tmp_path, monkeypatch):
     assert run_lagged(controller, clock, 5, 0.010) == [0.010] * 5
 
 
+def test_a_step_after_the_batch_changed_size_is_no_price_near_a_confirmed_one(tmp_path):
+    """A step right after requests joined or left runs slower than the steady steps at its
+    size: where the shape has a confirmed price near that size, it is not a price. A
+    draining batch (48, 47, 46) keeps the steady bs-48 price; sizes far from every confirmed
+    price are priced, and a first step's provisional price there (a draining batch's last
+    step at bs 1) is replaced by the next step at that size, resized or not."""
+    controller, _, clock, _ = make_controller(
+        tmp_path, force_switch_every=100, time_every=1
+    )
+    charged = []
+    observe = controller.policy.observe_step_time
+
+    def record(shape, bs, seconds):
+        charged.append((bs, round(seconds, 6)))
+        observe(shape, bs, seconds)
+
+    controller.policy.observe_step_time = record
+    steps = [
+        (48, 0.004),
+        (48, 0.004),
+        (47, 0.0055),  # resized, near bs 48's confirmed price
+        (46, 0.0055),  # resized again
+        (46, 0.004),  # steady at 46
+        (8, 0.003),  # resized, nothing confirmed within a factor 2
+        (3, 0.003),
+        (1, 0.009),  # a draining batch's last step: bs 1's first, provisional
+        (2, 0.003),
+        (1, 0.0025),  # resized, but bs 1's price is only a first step's
+    ]
+    for bs, seconds in steps:
+        run_step(controller, clock, bs, seconds)
+        controller.on_verify_complete([2] * bs)
+    assert charged == [steps[i] for i in (0, 1, 4, 5, 6, 7, 8, 9)]
+
+
 def test_given_costs_place_no_device_marks(tmp_path):
     controller, _, clock, _ = make_controller(tmp_path, step_costs=COSTS)
     run_step(controller, clock, 1, 0.5)

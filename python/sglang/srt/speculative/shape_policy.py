@@ -343,6 +343,10 @@ class StepCostTable:
         """Whether the shape's point at bs is a first step's: an upper bound (above)."""
         return bs in self._points.get(shape, ()) and not self.confirmed(shape, bs)
 
+    def confirmed_near(self, shape: Shape, bs: int) -> bool:
+        """Whether the shape has a confirmed point within a factor NEAR of bs."""
+        return any(_near(bs, point) for point in self._confirmed.get(shape, ()))
+
     def measured_near(self, shape: Shape, bs: int) -> bool:
         """Whether the shape has a point within a factor NEAR of bs: its price there is more
         than a guess carried from afar."""

@@ -478,6 +478,8 @@ class _Launch:
     previous_end: Optional[object] = None
     # The first step of the shape after a switch: it pays for the switch as well.
     after_switch: bool = False
+    # The batch size differs from the decode step's before: requests joined or left.
+    resized: bool = False
 
 
 class ShapeTrace:
@@ -592,6 +594,8 @@ class ShapeController:
         self._first_after_other = False
         # Decode steps launched untimed since the last timed one (config.time_every).
         self._untimed = 0
+        # The batch size of the decode step launched last (0 before the first).
+        self._last_bs = 0
 
     @property
     def active(self) -> Shape:
@@ -661,8 +665,10 @@ class ShapeController:
                 previous_end=previous_end,
                 step=self._decode_steps,
                 after_switch=switched,
+                resized=self._last_bs not in (0, bs),
             )
         )
+        self._last_bs = bs
         return shape
 
     def _times(self, shape: Shape, bs: int) -> bool:
@@ -722,12 +728,30 @@ class ShapeController:
             # over: hysteresis pays for switches. As a price it would keep the shape out
             # at this batch size and at every size priced from it, where nothing runs it
             # again.
-            if seconds is not None and not launch.after_switch:
+            if seconds is not None and self._prices(launch):
                 self.policy.observe_step_time(launch.shape, launch.bs, seconds)
         if self._trace is not None:
             scores = {s.label: self.policy.score(s, launch.bs) for s in self._shapes}
             mean = sum(accept_lengths) / len(accept_lengths)
             self._trace.result(launch, seconds, mean, scores)
+
+    def _prices(self, launch: _Launch) -> bool:
+        """Whether a measured step's seconds are its shape's price at its batch size.
+
+        Not the first step after a switch (above). Nor, where the shape has a confirmed price
+        near that size, a step whose batch just changed size: the scheduler filtered or
+        extended the batch before it, and a batch draining at the end of a load, one size a
+        step, would otherwise price the shape at every size it passes by its dearest steps.
+        A first step's provisional price does not count as one: the next step there, resized
+        or not, must be able to replace it (a draining batch's last step would otherwise be
+        the shape's price at that size for good). A batch that changes size at every step
+        still prices each size range.
+        """
+        if launch.after_switch:
+            return False
+        return not (
+            launch.resized and self.policy.costs.confirmed_near(launch.shape, launch.bs)
+        )
 
 
 def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
