@@ -26,14 +26,15 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
 CONFIG_FLAG = "--speculative-adaptive-config"
 
 
-@dataclass(frozen=True, order=True)
-class Shape:
-    """A draft shape: topk, num_steps, num_draft_tokens; NONE verifies the bonus token only."""
+class Shape(NamedTuple):
+    """A draft shape: topk, num_steps, num_draft_tokens; NONE verifies the bonus token only.
+    A tuple: the policy looks shapes up in dicts dozens of times a decode step, and a
+    tuple's hash and comparisons run in C, a dataclass's in Python."""
 
     topk: int
     num_steps: int
@@ -462,9 +463,11 @@ class ShapePolicy:
             # then decide as usual.
             self._probe_left = 0
             self._switch(self._probe_return, counted=False)
-        best = max(self.config.shapes, key=lambda s: (self.score(s, bs), s))
-        threshold = (1 + self.config.margin) * self.score(self.current, bs)
-        if best != self.current and self.score(best, bs) > threshold:
+        # Every shape's score, once: nothing the scores read changes before the next result.
+        scores = {s: self.score(s, bs) for s in self.config.shapes}
+        best = max(scores, key=lambda s: (scores[s], s))
+        threshold = (1 + self.config.margin) * scores[self.current]
+        if best != self.current and scores[best] > threshold:
             if best == self._challenger:
                 self._streak += 1
             else:
@@ -475,14 +478,14 @@ class ShapePolicy:
             if self._streak >= self.config.patience:
                 self._switch(best)
             else:
-                decisive = self._decisive_challenger(bs)
+                decisive = self._decisive_challenger(scores)
                 if decisive is not None:
                     self._switch(decisive)
         else:
             self._challenger, self._streak = None, 0
-        probe = self._stale_contender(bs)
+        probe = self._stale_contender(scores)
         if probe is None:
-            probe = self._unpriced_contender(bs)
+            probe = self._unpriced_contender(bs, scores)
             steps = self.PRICE_PROBE_STEPS
         else:
             steps = self.config.probe_steps
@@ -527,33 +530,35 @@ class ShapePolicy:
     def observe_step_time(self, shape: Shape, bs: int, seconds: float) -> None:
         self.costs.observe(shape, bs, seconds)
 
-    def _decisive_challenger(self, bs: int) -> Optional[Shape]:
+    def _decisive_challenger(self, scores: Mapping[Shape, float]) -> Optional[Shape]:
         """The best speculating shape where it beats the running one by decisive_margin: a
         switch that does not wait out patience. A switch into `none` always waits: the first
         speculating step after it catches the draft up on every step it skipped (a cost its
         score does not carry), so a `none` run of a step or two, where a shrinking or growing
         batch passes a size `none` scores well at, costs more than it saves."""
-        floor = (1 + self.config.decisive_margin) * self.score(self.current, bs)
+        floor = (1 + self.config.decisive_margin) * scores[self.current]
         contenders = [
             s
-            for s in self.config.shapes
-            if s.speculates and s != self.current and self.score(s, bs) > floor
+            for s, score in scores.items()
+            if s.speculates and s != self.current and score > floor
         ]
-        return max(contenders, key=lambda s: (self.score(s, bs), s), default=None)
+        return max(contenders, key=lambda s: (scores[s], s), default=None)
 
-    def _stale_contender(self, bs: int) -> Optional[Shape]:
+    def _stale_contender(self, scores: Mapping[Shape, float]) -> Optional[Shape]:
         """An idle shape whose stale score is within decisive_margin of the running one. A
         stale accept length can be off by more than the margin (the shape was left on a few
         short draws, or never ran long): probing only near ties would leave such a shape
         behind for good, while a probe costs probe_steps steps in probe_interval."""
         return self._best_within(
-            bs,
+            scores,
             self.config.decisive_margin,
             lambda s: s.speculates
             and self._step - self._last_run[s] > self.config.probe_interval,
         )
 
-    def _unpriced_contender(self, bs: int) -> Optional[Shape]:
+    def _unpriced_contender(
+        self, bs: int, scores: Mapping[Shape, float]
+    ) -> Optional[Shape]:
         """A shape whose price at this batch size is a guess carried from afar (no point within
         StepCostTable.NEAR of bs) and scores within PRICE_PROBE_MARGIN of the running one,
         once the batch has stayed near bs for `patience` decisions; `none` included, its price
@@ -565,23 +570,27 @@ class ShapePolicy:
         if self._settled_for < self.config.patience:
             return None
         return self._best_within(
-            bs,
+            scores,
             self.PRICE_PROBE_MARGIN,
             lambda s: not self.costs.measured_near(s, bs),
         )
 
     def _best_within(
-        self, bs: int, margin: float, eligible: Callable[[Shape], bool]
+        self,
+        scores: Mapping[Shape, float],
+        margin: float,
+        eligible: Callable[[Shape], bool],
     ) -> Optional[Shape]:
         """The best-scoring shape other than the running one that is eligible and scores at
-        least the running one's score / (1 + margin) at bs."""
-        floor = self.score(self.current, bs) / (1 + margin)
+        least the running one's score / (1 + margin) (scores: every shape's at this batch
+        size)."""
+        floor = scores[self.current] / (1 + margin)
         contenders = [
             s
-            for s in self.config.shapes
-            if s != self.current and eligible(s) and self.score(s, bs) >= floor
+            for s, score in scores.items()
+            if s != self.current and score >= floor and eligible(s)
         ]
-        return max(contenders, key=lambda s: (self.score(s, bs), s), default=None)
+        return max(contenders, key=lambda s: (scores[s], s), default=None)
 
     def _switch(self, shape: Shape, counted: bool = True) -> None:
         if shape != self.current:

@@ -837,9 +837,16 @@ class ShapeMetrics:
             documentation="Probes: a few steps of an idle shape, to refresh its acceptance.",
             labelnames=list(self._labels),
         )
+        # The steps counter's child per shape: labels() builds its key and looks the child up
+        # on every call, and stepped() runs every decode step.
+        self._steps_of: dict[Shape, object] = {}
 
     def stepped(self, shape: Shape) -> None:
-        self._steps.labels(**self._labels, shape=shape.label).inc()
+        child = self._steps_of.get(shape)
+        if child is None:
+            child = self._steps.labels(**self._labels, shape=shape.label)
+            self._steps_of[shape] = child
+        child.inc()
 
     def switched(self) -> None:
         self._switches.labels(**self._labels).inc()
