@@ -44,6 +44,7 @@ status=0
 for pid in "${pids[@]}"; do
   wait "$pid" || status=1
 done
+stop_leftover_engines
 if [ -f .flashinfer/manifest.json ]; then
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage collect "$out"
 fi

@@ -15,6 +15,7 @@ timeout -s INT -k 60 "${GPU_TESTS_TIMEOUT_S:-0}" \
   python3 -m pytest test/registered -m gpu -p no:cacheprovider --junitxml "$out/gpu-junit.xml" \
   $(per_test_timeout) "$@" 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
+stop_leftover_engines
 if [ -f .flashinfer/manifest.json ]; then
   # What this call compiled comes back for the next calls: copy it into .flashinfer/.
   PYTHONPATH=tools:$PYTHONPATH python3 -m specpatch.gpu_host.flashinfer_stage collect "$out"

@@ -8,3 +8,13 @@ per_test_timeout() {
     echo "--timeout=$limit"
   fi
 }
+# After the tests: an sglang process (its title starts "sglang::") that outlived its test, e.g.
+# a child an interrupted lane did not reach, is named and killed. On a warm host the next call
+# would otherwise share the CPUs and the GPU with it and measure that.
+stop_leftover_engines() {
+  local left
+  left=$(pgrep -f '^sglang::' || true)
+  [ -z "$left" ] && return 0
+  echo "gpu: engine processes left after the tests, killed: $(ps -o pid=,args= -p $(echo $left | tr ' ' ',') | tr -s ' ' | tr '\n' ';')"
+  kill -9 $left 2>/dev/null || true
+}

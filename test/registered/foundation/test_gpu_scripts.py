@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -264,3 +265,26 @@ def test_per_test_timeout_needs_pytest_timeout(tmp_path, has_plugin, limit, expe
         check=True,
     )
     assert out.stdout.strip() == expected
+
+
+def test_leftover_engines_are_named_and_killed():
+    """stop_leftover_engines kills a process titled as sglang's (sglang::...) and says so;
+    with none left it prints nothing."""
+    leftover = subprocess.Popen(["bash", "-c", 'exec -a "sglang::scheduler" sleep 60'])
+    try:
+        deadline = time.monotonic() + 5
+        while "sglang::" not in Path(f"/proc/{leftover.pid}/cmdline").read_text():
+            assert time.monotonic() < deadline, "the stand-in never took its title"
+            time.sleep(0.01)
+        script = "source tools/gpu-timeouts.sh && stop_leftover_engines"
+        out = subprocess.run(
+            ["bash", "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+        )
+        assert leftover.wait(timeout=5) == -9
+        assert f"{leftover.pid} sglang::scheduler" in out.stdout, out.stdout
+        again = subprocess.run(
+            ["bash", "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+        )
+        assert again.stdout == ""
+    finally:
+        leftover.kill()
