@@ -13,9 +13,16 @@ With --prices-at STEP ..., the step cost table the policy had before each of tho
 results: the trace's measured step times (result lines with "seconds", less the first step
 after each switch, which the controller does not price) replayed in order into sglang's
 StepCostTable, each shape's seconds at --prices-bs, a first step's provisional price marked
-"*": why a shape was passed over. --resized-near-rule replays the rule session 62 tried and
-reverted (a step whose batch size differs from the step before is no price where the shape
-has one within a factor 2).
+"*": why a shape was passed over. A step whose batch size differs from the step before is
+left out as the controller leaves it out (--resize-rule confirmed: where the shape has a
+confirmed price within a factor 2; main since b40df68), or where it has any price there
+(any: session 62's reverted rule), or never (none: before either).
+
+With --runs, one line per run of the benchmark's batches (a batch that jumped to a size and
+drained from it): its steps, tokens per second from the host's clock, the shapes it ran at
+its full size, and the device spans of its main shape by quarter of the run. A step's span
+grows with the context through a run; a first quarter dearer than other runs' says the host
+was slow then (a host-bound step's span waits for its launches).
 
 CPU only; reads plain or gzipped JSON lines (docs/benchmarks/*.jsonl.gz).
 """
@@ -142,18 +149,29 @@ def print_summary(summary: TraceSummary, min_steps: int = 5) -> None:
     print(f"Triton compiles logged: {len(summary.compiles)}, {total:.0f} ms in all")
 
 
+# Which steps after a resize replay_prices leaves out (the module's docstring).
+RESIZE_RULES = ("confirmed", "any", "none")
+
+
 def replay_prices(
     lines: list[dict],
     steps: list[int],
     batch_sizes: list[int],
     ema_alpha: float = 0.2,
-    resized_near_rule: bool = False,
+    resize_rule: str = "confirmed",
 ) -> dict[int, dict[str, dict[int, tuple[float, bool]]]]:
     """{step: {shape label: {bs: (seconds, provisional)}}}: the cost table as it was when the
     result line of each given step came, before that line's own price."""
     from sglang.srt.speculative.shape_policy import Shape, StepCostTable
 
+    if resize_rule not in RESIZE_RULES:
+        raise ValueError(f"resize_rule must be one of {RESIZE_RULES}: {resize_rule!r}")
     table = StepCostTable({}, ema_alpha)
+    priced_near = {
+        "confirmed": table.confirmed_near,
+        "any": table.measured_near,
+        "none": lambda shape, bs: False,
+    }[resize_rule]
     shapes = sorted({line["shape"] for line in lines if "shape" in line})
     wanted, prices, last_bs = set(steps), {}, 0
 
@@ -179,7 +197,7 @@ def replay_prices(
         last_bs = bs
         if seconds is None or line.get("after_switch"):
             continue
-        if resized_near_rule and resized and table.measured_near(shape, bs):
+        if resized and priced_near(shape, bs):
             continue
         table.observe(shape, bs, seconds)
     return prices
@@ -196,6 +214,86 @@ def print_prices(prices: dict[int, dict[str, dict[int, tuple[float, bool]]]]) ->
             print(f"  {label:>8}: {cells}")
 
 
+# A batch size this much above the step before's starts a run: requests arrived together.
+RUN_JUMP = 2
+
+
+@dataclass
+class Run:
+    """A run of result lines: from a batch that jumped up to `bs` until it next grew."""
+
+    first_step: int
+    bs: int  # the size it jumped to
+    lines: list[dict]
+
+    @property
+    def full(self) -> list[dict]:
+        """Its steps at the size it jumped to (before requests left)."""
+        return [line for line in self.lines if line["bs"] == self.bs]
+
+    @property
+    def main_shape(self) -> str:
+        return collections.Counter(line["shape"] for line in self.full).most_common(1)[
+            0
+        ][0]
+
+    def tokens_per_second(self) -> float | None:
+        """Tokens committed from the first result to the last over the host's time between
+        them (None without the host's clock)."""
+        if len(self.lines) < 2 or any("t" not in line for line in self.lines):
+            return None
+        seconds = self.lines[-1]["t"] - self.lines[0]["t"]
+        tokens = sum(line["bs"] * line["accept"] for line in self.lines[1:])
+        return tokens / seconds if seconds > 0 else None
+
+    def span_quarters(self) -> list[float]:
+        """Median device span (seconds) of the main shape's timed steps at full size, by
+        quarter of them; empty with fewer than 8."""
+        spans = [
+            line["seconds"]
+            for line in self.full
+            if line["shape"] == self.main_shape and line.get("seconds") is not None
+        ]
+        if len(spans) < 8:
+            return []
+        q = len(spans) // 4
+        return [statistics.median(spans[i * q : (i + 1) * q]) for i in range(4)]
+
+
+def split_runs(lines: list[dict]) -> list[Run]:
+    """The result lines (switch lines left out) cut where the batch size jumps up by more
+    than RUN_JUMP; a trace's first result starts the first run."""
+    runs: list[Run] = []
+    for line in lines:
+        if "shape" not in line:
+            continue
+        if not runs or line["bs"] > runs[-1].lines[-1]["bs"] + RUN_JUMP:
+            runs.append(Run(line["step"], line["bs"], []))
+        runs[-1].lines.append(line)
+    return runs
+
+
+def print_runs(runs: list[Run], min_steps: int = 8) -> None:
+    print(
+        "runs (first step, size, steps at that size and in all, tok/s by the host's clock, "
+        "shapes at full size, main shape's span medians ms by quarter):"
+    )
+    for run in runs:
+        full = run.full
+        if len(full) < min_steps:
+            continue
+        shapes = collections.Counter(line["shape"] for line in full)
+        rate = run.tokens_per_second()
+        quarters = " / ".join(f"{s * 1000:.2f}" for s in run.span_quarters())
+        print(
+            f"  step {run.first_step:>6}: bs {run.bs:>3}, {len(full):>4} of "
+            f"{len(run.lines):>4} steps, "
+            + (f"{rate:8.0f} tok/s, " if rate is not None else "")
+            + ", ".join(f"{s} {n}" for s, n in shapes.most_common())
+            + (f" | {run.main_shape} {quarters}" if quarters else "")
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", type=Path)
@@ -205,15 +303,19 @@ def main() -> None:
     )
     p.add_argument("--prices-at", type=int, nargs="+", default=[], metavar="STEP")
     p.add_argument("--prices-bs", default="1,4,16,48,64")
-    p.add_argument("--resized-near-rule", action="store_true")
+    p.add_argument("--resize-rule", choices=RESIZE_RULES, default="confirmed")
+    p.add_argument("--runs", action="store_true")
     args = p.parse_args()
     lines = read_lines(args.trace)
     if args.prices_at:
         batch_sizes = [int(bs) for bs in args.prices_bs.split(",")]
         prices = replay_prices(
-            lines, args.prices_at, batch_sizes, resized_near_rule=args.resized_near_rule
+            lines, args.prices_at, batch_sizes, resize_rule=args.resize_rule
         )
         print_prices(prices)
+        return
+    if args.runs:
+        print_runs(split_runs(lines))
         return
     print_summary(summarise(lines, args.slow_ms), args.min_steps)
 

@@ -146,7 +146,81 @@ def test_prices_replay_the_resized_near_rule_that_kept_a_first_step(capsys):
     """Session 62's reverted rule: a step after a resize is no price where the shape has a
     point within a factor 2, its own provisional first step included, so the slow first
     step at bs 1 stays the chain's price there."""
-    prices = policy_trace.replay_prices(REPLAY_LINES, [6], [1], resized_near_rule=True)
+    prices = policy_trace.replay_prices(REPLAY_LINES, [6], [1], resize_rule="any")
     assert prices[6]["1,3,4"][1] == (pytest.approx(0.009), True)
     policy_trace.print_prices(prices)
     assert "1,3,4: bs 1 9.00*" in capsys.readouterr().out
+
+
+DRAIN_LINES = [
+    # The chain steady at bs 48 (its second step confirms the price), then a batch draining
+    # through bs 46 at the end of its tokens, and a step at bs 20, far from any price.
+    {"step": 1, "shape": "1,3,4", "bs": 48, "seconds": 0.004},
+    {"step": 2, "shape": "1,3,4", "bs": 48, "seconds": 0.004},
+    {"step": 3, "shape": "1,3,4", "bs": 46, "seconds": 0.006},
+    {"step": 4, "shape": "1,3,4", "bs": 20, "seconds": 0.005},
+    {"step": 5, "shape": "1,3,4", "bs": 20, "seconds": 0.005},
+]
+
+
+def test_prices_replay_the_controllers_resize_rule_by_default():
+    """The controller's rule (b40df68): a resized step near a confirmed price is no price, so
+    the draining step at bs 46 leaves the table as it was; at bs 20, with no confirmed price
+    within a factor 2, the resized step is priced. Without a rule the drain's step sets a
+    point at bs 46 (a first step's, an upper bound there)."""
+    confirmed = policy_trace.replay_prices(DRAIN_LINES, [3, 4, 5], [46, 20])
+    # bs 46 is priced from bs 48's point, before the draining step and after it alike.
+    assert confirmed[4]["1,3,4"][46] == confirmed[3]["1,3,4"][46]
+    assert confirmed[4]["1,3,4"][46][0] < 0.0045
+    # bs 20 has a point of its own, the resized step's (a first step's, so provisional).
+    assert confirmed[5]["1,3,4"][20][1] is True
+    assert confirmed[4]["1,3,4"][20][1] is False
+    unruled = policy_trace.replay_prices(DRAIN_LINES, [4], [46], resize_rule="none")
+    assert unruled[4]["1,3,4"][46][1] is True
+    assert confirmed[4]["1,3,4"][46][1] is False
+    with pytest.raises(ValueError, match="resize_rule"):
+        policy_trace.replay_prices(DRAIN_LINES, [4], [46], resize_rule="some")
+
+
+def _run_lines(first_step, bs, shape, spans, t0, period, accept=2.5):
+    """A run: a batch of `bs` for len(spans) steps, then one step at bs 1 (all requests but one
+    left), a result every `period` seconds."""
+    lines = []
+    for i, span in enumerate([*spans, spans[-1]]):
+        lines.append(
+            {
+                "step": first_step + i,
+                "shape": shape,
+                "bs": bs if i < len(spans) else 1,
+                "seconds": span,
+                "accept": accept,
+                "t": t0 + i * period,
+            }
+        )
+    return lines
+
+
+def test_runs_split_where_the_batch_jumps_and_show_span_quarters(capsys):
+    """--runs: a run starts where the batch size jumps up; its quarters are the medians of
+    its main shape's spans at full size, in order; its rate the tokens committed after its
+    first result over the host's time to its last."""
+    quick = _run_lines(1, 48, "1,3,4", [0.003] * 4 + [0.004] * 4, t0=0.0, period=0.004)
+    slow = _run_lines(10, 48, "1,3,4", [0.005] * 8, t0=1.0, period=0.005)
+    switch = {"step": 19, "switch": ["1,3,4", "4,3,8"], "bs": 4}
+    small = _run_lines(19, 4, "4,3,8", [0.002] * 8, t0=2.0, period=0.002, accept=3.0)
+    runs = policy_trace.split_runs(quick + slow + [switch] + small)
+
+    assert [(r.first_step, r.bs, len(r.full), len(r.lines)) for r in runs] == [
+        (1, 48, 8, 9),
+        (10, 48, 8, 9),
+        (19, 4, 8, 9),
+    ]
+    assert runs[0].span_quarters() == pytest.approx([0.003, 0.003, 0.004, 0.004])
+    assert runs[1].span_quarters() == pytest.approx([0.005] * 4)
+    # 7 steps at bs 48 and one at 1 after the first result, 2.5 tokens each, in 8 periods.
+    assert runs[0].tokens_per_second() == pytest.approx((7 * 48 + 1) * 2.5 / 0.032)
+    policy_trace.print_runs(runs)
+    out = capsys.readouterr().out
+    assert "step      1: bs  48,    8 of    9 steps" in out, out
+    assert "1,3,4 3.00 / 3.00 / 4.00 / 4.00" in out, out
+    assert "4,3,8 8 | 4,3,8 2.00 / 2.00 / 2.00 / 2.00" in out, out
