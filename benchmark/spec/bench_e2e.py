@@ -10,7 +10,8 @@ with SGLANG_SPEC_CHAIN_FAST_PATH=0), tree (v2 tree drafting, --tree K,S,D), tree
 tree on spec v1: what the base falls back to, i.e. --disable-overlap-schedule), narrow (tree
 4,3,8), chain1 (chain 1,1,2: no draft forward), policy (the shape policy over --policy-shapes,
 docs/shape-policy.md), policy-period (the same, steps timed by periods), none-v2 (a spec v2
-engine whose policy takes only steps without speculation). A name may
+engine whose policy takes only steps without speculation), policy-chain (an engine carrying
+the policy's set that runs only its chain 1,3,4). A name may
 end in @BACKEND to run that config on another attention backend than --attention-backend
 (tree@flashinfer,tree-v1@flashinfer,tree@triton), and then in :PAGE to run it with
 --page-size PAGE (tree@fa3:16,tree-v1@fa3:16; page size 1 without it). With both tree and tree-v1 (and chain)
@@ -71,8 +72,17 @@ NONE_V2_POLICY = {
     "shapes": ["16,3,32", "none"],
     "step_costs": {"16,3,32": {"1": 1.0}, "none": {"1": 1e-4}},
 }
+# Not a policy either: a spec v2 engine that carries the policy's whole set (--policy-shapes:
+# each shape's CUDA graphs, KV reserved and the draft's top-k as wide as its widest) but whose
+# given step costs make the chain win at every batch size, so it runs the chain with no step
+# timed and nothing to choose. Against the fixed chain engine (--ratios policy-chain/chain):
+# what carrying the set costs a chain step; the policy against it, where the policy runs the
+# chain: what timing steps and choosing cost.
+POLICY_CHAIN = "policy-chain"
+CHAIN_SHAPE = "1,3,4"
+CONFIGS[POLICY_CHAIN] = (eng.SpecConfig(16, 3, 32), {})
 # Configs whose engine runs a shape policy: neither a fixed shape nor plain decoding.
-ADAPTIVE_CONFIGS = frozenset({*POLICY_STEP_TIME, NONE_V2})
+ADAPTIVE_CONFIGS = frozenset({*POLICY_STEP_TIME, NONE_V2, POLICY_CHAIN})
 # Kernel and host-path A/Bs, each a chain 1,3,4, a wide and a narrow tree config
 # ("chain-SUFFIX", "tree-SUFFIX", "narrow-SUFFIX") with one env switch set against its
 # default, for an A/B in one run:
@@ -168,9 +178,21 @@ def set_policy_config(path: str) -> None:
 
 def set_policy_shapes(labels: list[str]) -> None:
     first = [int(x) for x in labels[0].split(",")]
-    for name in POLICY_STEP_TIME:
+    for name in [*POLICY_STEP_TIME, POLICY_CHAIN]:
         CONFIGS[name] = (eng.SpecConfig(*first), {})
     POLICY_SHAPES[:] = labels
+
+
+def policy_chain_config(shapes: list[str]) -> dict:
+    """The policy-chain config's --speculative-adaptive-config: the set, priced so that the
+    chain wins everywhere (ValueError without the chain in the set)."""
+    if CHAIN_SHAPE not in shapes:
+        raise ValueError(
+            f"{POLICY_CHAIN} runs the chain ({CHAIN_SHAPE}) of --policy-shapes, "
+            f"which has none: {shapes}"
+        )
+    costs = {label: {"1": 1e-4 if label == CHAIN_SHAPE else 1.0} for label in shapes}
+    return {"shapes": list(shapes), "step_costs": costs}
 
 
 def policy_config_file(
@@ -306,9 +328,12 @@ def engine_settings(
                 force_switch_every, POLICY_STEP_TIME[config]
             ),
         )
-    if config == NONE_V2:
-        path = Path(tempfile.mkdtemp()) / "none-v2.json"
-        path.write_text(json.dumps(NONE_V2_POLICY))
+    if config in (NONE_V2, POLICY_CHAIN):
+        given = (
+            NONE_V2_POLICY if config == NONE_V2 else policy_chain_config(POLICY_SHAPES)
+        )
+        path = Path(tempfile.mkdtemp()) / f"{config}.json"
+        path.write_text(json.dumps(given))
         extra.update(speculative_adaptive=True, speculative_adaptive_config=str(path))
     if config in VERIFY_BACKENDS:
         extra["prefill_attention_backend"] = VERIFY_BACKENDS[config]
@@ -1033,6 +1058,11 @@ def main() -> None:
                 "which would run without CUDA graphs"
             )
     names = args.configs.split(",")
+    if any(split_config(n, args.attention_backend)[0] == POLICY_CHAIN for n in names):
+        try:
+            policy_chain_config(POLICY_SHAPES)
+        except ValueError as e:
+            parser.error(str(e))
     policies = policy_configs(names, args.attention_backend)
     if args.no_warm_up_engine and policies and not args.side_by_side:
         # One after another, the policy's first steps at each (shape, size) compile kernels

@@ -766,3 +766,51 @@ def test_each_row_keeps_its_engines_timed_runs(engine_without_a_gpu):
     rows = bench_e2e.measure(Path("/t"), Path("/d"), "none", [1, 4], 8, 100, repeats=3)
 
     assert [r["tok_per_s_repeats"] for r in rows] == [[8.0] * 3, [8.0] * 3]
+
+
+def test_policy_chain_carries_the_set_and_runs_only_the_chain(monkeypatch):
+    """policy-chain: the engine's flags and config are the policy's (its set, the set's first
+    shape as the flags'), and the policy the server builds from that config runs the chain at
+    every batch size once it has switched to it."""
+    import json
+
+    from sglang.srt.speculative import shape_runtime
+    from sglang.srt.speculative.shape_policy import Shape, ShapePolicy, StepCostTable
+
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    # set_policy_shapes rewrites these; the test leaves them as it found them.
+    monkeypatch.setattr(bench_e2e, "POLICY_SHAPES", list(bench_e2e.POLICY_SHAPES))
+    for name in ("policy", "policy-period", "policy-chain"):
+        monkeypatch.setitem(bench_e2e.CONFIGS, name, bench_e2e.CONFIGS[name])
+    bench_e2e.set_policy_shapes(["16,3,32", "4,3,8", "1,3,4", "none"])
+    kwargs = bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "policy-chain", [1, 48, 64], "triton"
+    )
+    assert kwargs["speculative_adaptive"] and kwargs["speculative_eagle_topk"] == 16
+    path = kwargs["speculative_adaptive_config"]
+    assert json.loads(Path(path).read_text())["shapes"] == bench_e2e.POLICY_SHAPES
+    config = shape_runtime.read_shape_policy(path)
+    assert config.deterministic  # given costs: no step is timed
+    costs = StepCostTable(config.step_costs, config.policy.ema_alpha)
+    policy = ShapePolicy(config.policy, costs, config.policy.shapes[0])
+    chosen = [policy.choose(bs) for bs in [1, 48, 64, 4, 16, 128] * 300]
+    assert set(chosen[1:]) == {Shape(1, 3, 4)}, set(chosen)
+    assert not bench_e2e.is_fixed_shape_like("policy-chain", "policy")
+    with pytest.raises(ValueError, match="runs the chain"):
+        bench_e2e.policy_chain_config(["16,3,32", "none"])
+
+
+def test_policy_chain_without_the_chain_in_the_set_is_refused(monkeypatch):
+    def no_models(*args):
+        raise AssertionError("refused before the models are made")
+
+    monkeypatch.setattr(bench_e2e, "ensure_pair", no_models)
+    monkeypatch.setattr(bench_e2e, "POLICY_SHAPES", list(bench_e2e.POLICY_SHAPES))
+    for name in ("policy", "policy-period", "policy-chain"):
+        monkeypatch.setitem(bench_e2e.CONFIGS, name, bench_e2e.CONFIGS[name])
+    argv = ["bench_e2e.py", "--configs", "chain,policy-chain"]
+    argv += ["--policy-shapes", "16,3,32 none", "--side-by-side"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_e2e.main()
+    assert exit_info.value.code == 2  # argparse's usage error
