@@ -3,6 +3,7 @@ sequence lengths instead of waiting for the launched verify, and that the bounds
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from types import SimpleNamespace
@@ -162,6 +163,41 @@ def test_trees_take_bounds_at_every_page_size_chains_at_page_size_1(
     assert bhl.server_refusal(
         server(attention_backend=backend, page_size=16, **chain)
     ) == ("page size 16 with a chain")
+
+
+@pytest.mark.parametrize(
+    "shapes,backend,page_size,takes_bounds",
+    [
+        (["16,3,32", "1,3,4"], "flashinfer", 1, True),  # a tree in the set
+        (["1,3,4", "1,1,2", "none"], "flashinfer", 1, False),  # chains only
+        (["16,3,32", "4,3,8"], "fa3", 16, True),  # paged trees only
+        (["16,3,32", "1,3,4"], "fa3", 16, False),  # a paged chain in the set
+    ],
+)
+def test_a_shape_policy_answers_alike_for_every_running_shape(
+    monkeypatch, enabled, tmp_path, shapes, backend, page_size, takes_bounds
+):
+    """The scheduler prepares a step, bounds included, before the worker picks its shape,
+    and each shape's backends are built while the flags name that shape: whether bounds may
+    be issued must not follow the running shape, or a step prepared under the tree runs on
+    the chain's FlashInfer backends built for exact lengths (an illegal memory access).
+    """
+    monkeypatch.delenv(bhl.ENV, raising=False)
+    config = tmp_path / "shape-policy.json"
+    config.write_text(json.dumps({"shapes": shapes}))
+    answers = set()
+    for running_topk in (16, 4, 1):
+        args = server(
+            attention_backend=backend,
+            page_size=page_size,
+            speculative_algorithm="EAGLE",
+            disable_overlap_schedule=False,
+            speculative_adaptive=True,
+            speculative_adaptive_config=str(config),
+            speculative_eagle_topk=running_topk,
+        )
+        answers.add((bhl.server_refusal(args) is None, bhl.may_issue_bounds(args)))
+    assert answers == {(takes_bounds, takes_bounds)}
 
 
 def test_may_issue_bounds_only_for_spec_v2(monkeypatch, enabled):

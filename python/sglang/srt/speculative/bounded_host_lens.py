@@ -75,14 +75,37 @@ BOUNDS_BACKENDS = frozenset({"triton", "fa3", "flashinfer"})
 # host's wait for the verify shows (small batch) and keep their speed where it does not
 # (docs/benchmarks.md, "Spec v2 trees on FlashInfer"); its chains with bounds are
 # token-identical but their speed unmeasured, and flashinfer is sglang's default backend for
-# chains off Hopper, so they keep upstream's exact lengths unless asked.
+# chains off Hopper, so they keep upstream's exact lengths unless asked. A shape policy whose
+# set holds a tree takes them for its chains too: one answer holds for every shape
+# (_step_topks), and a chain's FlashInfer backends built expecting bounds are token-identical.
 TREES_ONLY_BACKENDS = frozenset({"flashinfer"})
 # Set once this process has issued bounds: only then may an eager draft extend see them.
 _bounds_issued = False
 
 
-def _drafts_trees(server_args) -> bool:
-    return (getattr(server_args, "speculative_eagle_topk", None) or 1) > 1
+def _step_topks(server_args) -> frozenset[int]:
+    """The draft top-k of every shape a decode step may take. A shape policy points the flags
+    at the running shape (shape_runtime.apply_shape_runtime_state), but the scheduler
+    prepares a step, bounds included, before the worker picks its shape, and each shape's
+    backends are built while the flags name that shape: an answer read from the running
+    shape would let a step prepared under a tree run on a chain's backends, built not to
+    expect bounds. So every answer here is the same for all shapes of the policy's set.
+    """
+    if getattr(server_args, "speculative_adaptive", False):
+        from sglang.srt.speculative.shape_runtime import shape_policy_of
+
+        config = shape_policy_of(server_args)
+        if config is not None:
+            return frozenset(s.topk for s in config.policy.shapes if s.speculates)
+    return frozenset({getattr(server_args, "speculative_eagle_topk", None) or 1})
+
+
+def _may_draft_trees(server_args) -> bool:
+    return any(topk > 1 for topk in _step_topks(server_args))
+
+
+def _may_draft_chains(server_args) -> bool:
+    return 1 in _step_topks(server_args)
 
 
 def server_refusal(server_args) -> Optional[str]:
@@ -101,7 +124,7 @@ def server_refusal(server_args) -> Optional[str]:
             f"{', '.join(sorted(BOUNDS_BACKENDS))} take bounds"
         )
     trees_only = backends & TREES_ONLY_BACKENDS
-    if trees_only and not _drafts_trees(server_args):
+    if trees_only and not _may_draft_trees(server_args):
         if not requested_by_env():
             return (
                 f"attention backends {sorted(backends)}: {', '.join(sorted(trees_only))} "
@@ -111,11 +134,11 @@ def server_refusal(server_args) -> Optional[str]:
         return "no CUDA graphs: eager metadata reads the host lengths"
     if getattr(server_args, "disable_cuda_graph_padding", False):
         return "no CUDA-graph padding: batches between captured sizes run eager"
-    if server_args.page_size != 1 and not _drafts_trees(server_args):
+    if server_args.page_size != 1 and _may_draft_chains(server_args):
         # Trees lay every round out flat and every backend reads them by token slot or
         # through pages of one token (paged_tree_layout): bounds read what they read at page
         # size 1. A chain with pages reads its KV through FA3's page table of real pages,
-        # which has not run with bounds.
+        # which has not run with bounds; nor has a shape policy with a chain in its set.
         return f"page size {server_args.page_size} with a chain"
     if getattr(server_args, "enable_two_batch_overlap", False):
         return "two-batch overlap splits the batch by host lengths"
