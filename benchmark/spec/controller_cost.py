@@ -92,9 +92,15 @@ def measure(bs: int, steps: int, trace: bool, warm_up: int = 1000) -> Cost:
         controller, clock = _controller(trace, workdir)
         # Every request commits one token more than its drafts accepted: 1.5 drafts a step.
         result = [1, 2] * (bs // 2) + [1] * (bs % 2)
+        launched = 0
 
         def step(first: bool) -> None:
-            shape = controller.before_decode(bs)
+            nonlocal launched
+            launched += 1
+            # Replies of 1000 tokens in turn: each request's context grows 2.5 tokens a step
+            # from 60, as the worker reports it (seq_lens_sum), then starts over.
+            context = 60 + 2.5 * (launched % 400)
+            shape = controller.before_decode(bs, seq_lens_sum=int(bs * context))
             clock.now += STEP_SECONDS[shape.label]
             controller.after_decode()
             if not first:  # the step before's result, read while this one runs

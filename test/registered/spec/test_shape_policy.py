@@ -715,3 +715,115 @@ def test_a_probe_that_measures_well_wins_the_next_decision():
     # 3.9 accepted in 3.6 ms now beats 3.3 in 4.0 ms by more than the margin.
     assert run(policy, 1, 3) == [NARROW, NARROW, NARROW]
     assert policy.counters.switches == 1
+
+
+# ----------------------------------------------------------------------------- contexts
+
+
+def test_a_price_taken_at_another_context_is_replaced_not_averaged():
+    """A step's cost grows with its requests' contexts: a point measured at a mean context
+    more than CONTEXT_NEAR away is replaced by the step, not moved towards it by the EMA.
+    """
+    table = StepCostTable({}, ema_alpha=0.2)
+    table.observe(CHAIN, 48, 4.6e-3, context=1000.0)
+    table.observe(CHAIN, 48, 4.5e-3, context=1000.0)  # replaces the provisional point
+    table.observe(CHAIN, 48, 4.7e-3, context=1100.0)  # a near context: the EMA
+    assert table.seconds(CHAIN, 48) == pytest.approx(0.8 * 4.5e-3 + 0.2 * 4.7e-3)
+    table.observe(CHAIN, 48, 2.9e-3, context=60.0)
+    assert table.seconds(CHAIN, 48) == pytest.approx(2.9e-3)
+    assert table.confirmed(CHAIN, 48)
+    table.observe(CHAIN, 48, 3.9e-3)  # a step of unknown context: the EMA
+    assert table.seconds(CHAIN, 48) == pytest.approx(0.8 * 2.9e-3 + 0.2 * 3.9e-3)
+
+
+# Draws of 48 requests: the chain's mean 2.56, the narrow tree's 2.92.
+DRAWS_48 = {CHAIN: [3] * 27 + [2] * 21, NARROW: [3] * 44 + [2] * 4}
+
+
+def step_ms(shape: Shape, bs: int, context: float) -> float:
+    """A step on a host-bound target: a fixed part, a part per request (the narrow tree
+    verifies twice the chain's tokens) and the KV the requests' attention reads. At bs 48
+    the chain wins at every context; at bs 2 the narrow tree does."""
+    per_request, per_kv_token = {CHAIN: (0.006, 0.035e-3), NARROW: (0.03, 0.031e-3)}[
+        shape
+    ]
+    return 2.5 + bs * (per_request + per_kv_token * context)
+
+
+def run_replies(policy, runs, contexts=True):
+    """Runs of 48 requests replying 1024 tokens (a benchmark's repeats): contexts grow from
+    60 to 1060 KV tokens over 380 steps at bs 48, the batch drains to bs 2 and the last
+    requests take 20 steps more. Returns the shapes run at bs 48, by run."""
+    by_run = []
+    for _ in range(runs):
+        schedule = [(48, 60 + 1000 * i / 379) for i in range(380)]
+        schedule += [(bs, 1060.0) for bs in range(46, 1, -2)] + [(2, 1060.0)] * 20
+        ran = []
+        for bs, context in schedule:
+            shape = policy.choose(bs, context if contexts else None)
+            if bs == 48:
+                ran.append(shape)
+            policy.observe_accept(shape, DRAWS_48[shape][:bs])
+            seconds = step_ms(shape, bs, context) / 1e3
+            policy.observe_step_time(shape, bs, seconds, context if contexts else None)
+        by_run.append(ran)
+    return by_run
+
+
+@pytest.mark.parametrize("contexts", [True, False], ids=["contexts", "no-contexts"])
+def test_a_run_begins_on_the_shape_that_wins_at_its_context(contexts):
+    """Session 64's 1.21B bs-48 trace: the narrow tree, priced at bs 48 early in a run, ran a
+    whole later run because the chain's price there was taken at the end of the run before,
+    at four times the context, and its score (0.56 against the narrow tree's 0.72 tokens a
+    ms) never called for a probe; the chain makes a fifth more at every context. With the
+    contexts known, a shape last run at another context is probed at the run's start and
+    the chain wins it back within a few steps; without them the narrow tree keeps the run.
+    """
+    cfg = PolicyConfig(shapes=(NARROW, CHAIN))
+    policy = ShapePolicy(
+        cfg,
+        StepCostTable({}, cfg.ema_alpha),
+        NARROW,
+        initial_accept_lengths={NARROW: 2.92, CHAIN: 2.56},
+    )
+    runs = run_replies(policy, 4, contexts)
+    later = [ran.count(CHAIN) / len(ran) for ran in runs[1:]]
+    if contexts:
+        assert min(later) >= 0.95, later
+    else:
+        assert min(later) < 0.5, later  # what the policy did without them
+
+
+@pytest.mark.parametrize("chain_late_ms", [4.0, 4.6], ids=["on-patience", "decisive"])
+@pytest.mark.parametrize("contexts", [True, False], ids=["contexts", "no-contexts"])
+def test_a_challenger_priced_at_a_shorter_context_is_probed_first(
+    chain_late_ms, contexts
+):
+    """The narrow tree ran a few steps at a 100-token context before the chain took over;
+    at 1000 tokens the chain's fresh price makes the narrow tree's old one look 14 % (on
+    patience) or 31 % (decisive) better. Either way the narrow tree is probed at this context
+    first, and its fresh price keeps the chain; without contexts the policy switched."""
+    cfg = PolicyConfig(shapes=(NARROW, CHAIN))
+    seconds = {NARROW: {100: 4.0e-3, 1000: 5.5e-3}, CHAIN: {100: 3.0e-3}}
+    seconds[CHAIN][1000] = chain_late_ms / 1e3
+    policy = ShapePolicy(
+        cfg,
+        StepCostTable({s: {48: by_ctx[100]} for s, by_ctx in seconds.items()}, 0.2),
+        NARROW,
+        initial_accept_lengths={NARROW: 2.92, CHAIN: 2.56},
+    )
+    ran = []
+    for context in [100.0] * 20 + [1000.0] * 60:
+        shape = policy.choose(48, context if contexts else None)
+        ran.append(shape)
+        policy.observe_accept(shape, DRAWS_48[shape])
+        policy.observe_step_time(
+            shape, 48, seconds[shape][context], context if contexts else None
+        )
+    assert ran[:20] == [NARROW] * 7 + [CHAIN] * 13  # the chain won on patience
+    late = ran[20:]
+    if contexts:
+        assert late.count(NARROW) == ShapePolicy.PRICE_PROBE_STEPS
+        assert policy.counters.switches == 1 and late[-40:] == [CHAIN] * 40
+    else:
+        assert policy.counters.switches >= 2

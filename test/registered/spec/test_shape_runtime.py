@@ -489,8 +489,8 @@ def test_with_step_time_period_a_prefills_result_processing_is_not_charged(tmp_p
         tmp_path, force_switch_every=100, step_time="period"
     )
     charged = []
-    controller.policy.observe_step_time = lambda shape, bs, seconds: charged.append(
-        round(seconds, 6)
+    controller.policy.observe_step_time = (
+        lambda shape, bs, seconds, context: charged.append(round(seconds, 6))
     )
     run_step(controller, clock, 1, 0.010)
     controller.after_other_forward()  # a prefill launched
@@ -543,9 +543,9 @@ def run_lagged(controller, clock, steps, seconds, host_gap=0.0):
     charged = []
     observe = controller.policy.observe_step_time
 
-    def record(shape, bs, seconds):
+    def record(shape, bs, seconds, context):
         charged.append(round(seconds, 6))
-        observe(shape, bs, seconds)
+        observe(shape, bs, seconds, context)
 
     controller.policy.observe_step_time = record
     for i in range(steps):
@@ -617,9 +617,9 @@ def test_a_step_after_the_batch_changed_size_is_no_price_near_a_confirmed_one(tm
     charged = []
     observe = controller.policy.observe_step_time
 
-    def record(shape, bs, seconds):
+    def record(shape, bs, seconds, context):
         charged.append((bs, round(seconds, 6)))
-        observe(shape, bs, seconds)
+        observe(shape, bs, seconds, context)
 
     controller.policy.observe_step_time = record
     steps = [

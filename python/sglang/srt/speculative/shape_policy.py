@@ -186,6 +186,13 @@ class StepCostTable:
     and at every size extrapolated from it, for as long as it does not run there again, which
     its price then prevents; a price that is too low instead runs the shape, and its steps
     correct it.
+
+    A step's cost also grows with its requests' contexts (the KV its attention reads): over
+    a run of 1024-token replies the chain's step at bs 48 went from 2.9 to 4.5 ms. A point
+    remembers the mean context it was measured at, and a step at a context more than
+    CONTEXT_NEAR away from it replaces it instead of moving it by the EMA: a price is the
+    shape's cost at the context of its last run, and the policy probes a shape whose last run
+    is that far from the running batch's context (ShapePolicy._context_stale).
     """
 
     # How many times the expected seconds a step may take and still be believed.
@@ -194,6 +201,8 @@ class StepCostTable:
     ONE_OFF_STREAK = 3
     # Batch sizes within this factor of each other are near (measured_near).
     NEAR = 2.0
+    # Mean contexts (KV tokens per request) within this factor of each other are near.
+    CONTEXT_NEAR = 2.0
 
     def __init__(
         self,
@@ -214,6 +223,8 @@ class StepCostTable:
         self._ran: set[tuple[Shape, int]] = set()
         # Points set by the shape's first step at that batch size.
         self._provisional: dict[Shape, set[int]] = {}
+        # The mean context of each point's latest step (absent: given, or not known).
+        self._contexts: dict[tuple[Shape, int], float] = {}
         # Each shape's points that are not provisional, sorted by batch size.
         self._confirmed: dict[Shape, dict[int, float]] = {}
         # seconds() since the table last changed: the policy asks for the same few pairs
@@ -270,10 +281,13 @@ class StepCostTable:
             ratios.append(unit_at_bs / unit_at_anchor)
         return statistics.median(ratios) if ratios else 1.0
 
-    def observe(self, shape: Shape, bs: int, seconds: float) -> None:
-        """A measured step: the point at bs moves towards it (is set by the first, and
-        replaced by the second, and where the two are over ONE_OFF_RATIO apart and the step is
-        believed).
+    def observe(
+        self, shape: Shape, bs: int, seconds: float, context: Optional[float] = None
+    ) -> None:
+        """A measured step, its requests' mean context `context` (KV tokens, None: not
+        known): the point at bs moves towards it (is set by the first, and replaced by the
+        second, where the two are over ONE_OFF_RATIO apart and the step is believed, and
+        where the point was measured at a context not near this one).
         """
         if not seconds > 0:  # a clock that did not advance measured nothing
             return
@@ -293,16 +307,20 @@ class StepCostTable:
         point = by_bs.get(bs)
         # Replace a point set by a first step, one far above this step (a one-off set it), or
         # with a believed slow streak; otherwise the EMA smooths the shape's warm steps.
+        measured_at = self._contexts.get((shape, bs))
         replace = (
             point is None
             or slow
             or bs in self._provisional.get(shape, ())
             or seconds * self.ONE_OFF_RATIO < point
+            or not context_near(measured_at, context)
         )
         if not replace:
             a = self._ema_alpha
             seconds = (1 - a) * point + a * seconds
         self._set(shape, bs, seconds)
+        if context is not None:
+            self._contexts[(shape, bs)] = context
         confirmed = self._confirmed.setdefault(shape, {})
         if first_at_bs or point is None:
             self._provisional.setdefault(shape, set()).add(bs)
@@ -365,6 +383,14 @@ def _near(a: int, b: int) -> bool:
     return a / StepCostTable.NEAR <= b <= a * StepCostTable.NEAR
 
 
+def context_near(a: Optional[float], b: Optional[float]) -> bool:
+    """Mean contexts within StepCostTable.CONTEXT_NEAR of each other; an unknown one is near
+    any other."""
+    if a is None or b is None:
+        return True
+    return a / StepCostTable.CONTEXT_NEAR <= b <= a * StepCostTable.CONTEXT_NEAR
+
+
 def _interpolate(by_bs: Mapping[int, float], bs: int) -> float:
     """Linear between the points (sorted by batch size) around bs, which they must span."""
     if bs in by_bs:
@@ -395,11 +421,16 @@ class ShapePolicy:
     # the running shape the guess may score.
     PRICE_PROBE_STEPS = 3
     PRICE_PROBE_MARGIN = 0.25
+    # How far below the running shape a shape priced at another context may score and be
+    # probed (_context_contender): a step's cost grows by half or more over a run's contexts,
+    # so a price from the end of the last run can sit that far below a fresh one.
+    CONTEXT_PROBE_MARGIN = 0.5
     # A challenger idle for more steps than this is probed (PRICE_PROBE_STEPS) before the
     # policy switches to it on patience: its price is as old as its last run, the running
     # shape's as fresh as its last step, and a host or device that slowed down since makes
     # every idle shape look cheaper than it is now. A decisive challenger (a batch that
-    # jumped) is switched to at once.
+    # jumped) is switched to at once. A challenger that last ran at a context not near the
+    # running batch's is probed alike (_context_stale).
     STALE_AFTER = 64
 
     def __init__(
@@ -433,6 +464,10 @@ class ShapePolicy:
         self.counters = ShapeCounters()
         self._step = 0
         self._last_run = {s: 0 for s in config.shapes}
+        # The mean context of the batch at each shape's last step (absent: not known), and
+        # of the batch being decided for.
+        self._run_context: dict[Shape, float] = {}
+        self._context: Optional[float] = None
         self._challenger: Optional[Shape] = None
         self._streak = 0
         self._probe_left = 0
@@ -446,9 +481,11 @@ class ShapePolicy:
     def score(self, shape: Shape, bs: int) -> float:
         return self.accept_length[shape] / self.costs.seconds(shape, bs)
 
-    def choose(self, bs: int) -> Shape:
-        """The shape of the next decode step at batch size bs."""
+    def choose(self, bs: int, context: Optional[float] = None) -> Shape:
+        """The shape of the next decode step at batch size bs, whose requests' mean context
+        is `context` KV tokens (None: not known)."""
         self._step += 1
+        self._context = context
         if _near(self._settled_bs, bs):
             self._settled_for += 1
         else:
@@ -472,23 +509,28 @@ class ShapePolicy:
                 self._streak += 1
             else:
                 self._challenger, self._streak = best, 1
-            if self._streak >= self.config.patience and self._stale(best):
-                self._start_probe(best, bs, self.PRICE_PROBE_STEPS)
-                return self._ran(self.current)
             if self._streak >= self.config.patience:
-                self._switch(best)
+                chosen, stale = best, self._stale(best)
             else:
-                decisive = self._decisive_challenger(scores)
-                if decisive is not None:
-                    self._switch(decisive)
+                chosen = self._decisive_challenger(scores)
+                # A decisive challenger (the batch jumped) is switched to without a probe,
+                # unless its price may be decisive only for having been taken at another
+                # context.
+                stale = chosen is not None and self._context_stale(chosen)
+            if stale:
+                self._start_probe(chosen, bs, self.PRICE_PROBE_STEPS)
+                return self._ran(self.current)
+            if chosen is not None:
+                self._switch(chosen)
         else:
             self._challenger, self._streak = None, 0
         probe = self._stale_contender(scores)
+        steps = self.config.probe_steps
+        if probe is None:
+            probe = self._context_contender(scores)
+            steps = self.PRICE_PROBE_STEPS
         if probe is None:
             probe = self._unpriced_contender(bs, scores)
-            steps = self.PRICE_PROBE_STEPS
-        else:
-            steps = self.config.probe_steps
         if probe is not None:
             self._start_probe(probe, bs, steps)
         return self._ran(self.current)
@@ -506,9 +548,20 @@ class ShapePolicy:
         self._switch(shape, counted=False)
 
     def _stale(self, shape: Shape) -> bool:
-        """Whether the shape's score rests on a run older than STALE_AFTER steps. `none`'s
-        price is the target's decode step, which drifts with the rest: stale alike."""
-        return self._step - self._last_run[shape] > self.STALE_AFTER
+        """Whether the shape's score rests on a run older than STALE_AFTER steps, or at
+        another context (_context_stale). `none`'s price is the target's decode step, which
+        drifts with the rest: stale alike."""
+        idle_for = self._step - self._last_run[shape]
+        return idle_for > self.STALE_AFTER or self._context_stale(shape)
+
+    def _context_stale(self, shape: Shape) -> bool:
+        """Whether the shape last ran at a mean context not near the running batch's: its
+        price is what a step cost then. Requests' contexts grow through a run, so an idle
+        shape's price taken late in one run is dear against the running shape's early in the
+        next, and one taken early is cheap later on: in a run of 1024-token replies at bs 48
+        the narrow tree, priced early, kept the chain, priced at the end of the run before,
+        out of a whole run that the chain makes a fifth faster."""
+        return not context_near(self._run_context.get(shape), self._context)
 
     def observe_accept(self, shape: Shape, accept_lengths: Sequence[int]) -> None:
         """Feed the tokens each request committed in a step of `shape` (drafts + bonus)."""
@@ -527,8 +580,10 @@ class ShapePolicy:
         self._accept_draws[shape] = min(seen + n, horizon)
         self.accept_length[shape] = (1 - a) * self.accept_length[shape] + a * mean
 
-    def observe_step_time(self, shape: Shape, bs: int, seconds: float) -> None:
-        self.costs.observe(shape, bs, seconds)
+    def observe_step_time(
+        self, shape: Shape, bs: int, seconds: float, context: Optional[float] = None
+    ) -> None:
+        self.costs.observe(shape, bs, seconds, context)
 
     def _decisive_challenger(self, scores: Mapping[Shape, float]) -> Optional[Shape]:
         """The best speculating shape where it beats the running one by decisive_margin: a
@@ -554,6 +609,25 @@ class ShapePolicy:
             self.config.decisive_margin,
             lambda s: s.speculates
             and self._step - self._last_run[s] > self.config.probe_interval,
+        )
+
+    def _context_contender(self, scores: Mapping[Shape, float]) -> Optional[Shape]:
+        """An idle shape last run at a context over CONTEXT_NEAR times the running batch's,
+        scoring within CONTEXT_PROBE_MARGIN of the running shape: its price is dear against
+        the running shape's, so PRICE_PROBE_STEPS steps price it at this context. A shape last
+        run at a shorter context looks cheaper than it is instead: where that makes it win, the
+        switch waits for a probe (_stale), and where it does not, nothing is lost. So probes
+        come where contexts fall (a new run of requests, short requests joining long ones),
+        once per shape, not at every doubling as contexts grow."""
+        return self._best_within(scores, self.CONTEXT_PROBE_MARGIN, self._priced_dear)
+
+    def _priced_dear(self, shape: Shape) -> bool:
+        then = self._run_context.get(shape)
+        now = self._context
+        return (
+            then is not None
+            and now is not None
+            and then > now * StepCostTable.CONTEXT_NEAR
         )
 
     def _unpriced_contender(
@@ -600,5 +674,7 @@ class ShapePolicy:
 
     def _ran(self, shape: Shape) -> Shape:
         self._last_run[shape] = self._step
+        if self._context is not None:
+            self._run_context[shape] = self._context
         self.counters.steps[shape.label] = self.counters.steps.get(shape.label, 0) + 1
         return shape

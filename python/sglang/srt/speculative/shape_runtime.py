@@ -480,6 +480,8 @@ class _Launch:
     after_switch: bool = False
     # The batch size differs from the decode step's before: requests joined or left.
     resized: bool = False
+    # The requests' mean context in KV tokens (None: not known).
+    context: Optional[float] = None
 
 
 class ShapeTrace:
@@ -497,7 +499,8 @@ class ShapeTrace:
     of steps of one shape, the interval between two results is the step's period as the
     decode loop runs it (host work included), where "seconds" is the device's span of the
     step's launches only. The first step after a switch has "after_switch": true; its seconds
-    are not the shape's price (ShapeController.on_verify_complete)."""
+    are not the shape's price (ShapeController.on_verify_complete). "context" is the
+    requests' mean KV tokens as the step launched, where the worker gave it."""
 
     def __init__(
         self,
@@ -533,6 +536,8 @@ class ShapeTrace:
             scores={label: round(v, 2) for label, v in scores.items()},
             t=round(self._wall_clock(), 6),
         )
+        if launch.context is not None:
+            fields["context"] = round(launch.context, 1)
         if launch.after_switch:
             fields["after_switch"] = True
         self._write(**fields)
@@ -618,17 +623,25 @@ class ShapeController:
         widest = max(self._speculating, key=lambda s: s.num_draft_tokens)
         return self._states[widest].runtime.cuda_graph_runner_for_draft_extend
 
-    def before_decode(self, bs: int, plain_allowed: bool = True) -> Shape:
+    def before_decode(
+        self,
+        bs: int,
+        plain_allowed: bool = True,
+        seq_lens_sum: Optional[int] = None,
+    ) -> Shape:
         """The shape of the decode step about to launch at batch size bs, applied.
         plain_allowed False: the batch must speculate (plain_decode_allowed), so `none` gives
-        way to the best speculating shape."""
+        way to the best speculating shape. seq_lens_sum: the batch's KV tokens (the host's,
+        a bound where bounded_host_lens issued one), which price a step at its context.
+        """
         self._decode_steps += 1
+        context = seq_lens_sum / bs if seq_lens_sum and bs else None
         every = self.config.force_switch_every
         if every:
             shape = self._shapes[(self._decode_steps - 1) // every % len(self._shapes)]
         else:
             probes = self.policy.counters.probes
-            shape = self.policy.choose(bs)
+            shape = self.policy.choose(bs, context)
             if self._metrics is not None and self.policy.counters.probes > probes:
                 self._metrics.probed()
         if not shape.speculates and not plain_allowed:
@@ -666,6 +679,7 @@ class ShapeController:
                 step=self._decode_steps,
                 after_switch=switched,
                 resized=self._last_bs not in (0, bs),
+                context=context,
             )
         )
         self._last_bs = bs
@@ -729,7 +743,9 @@ class ShapeController:
             # at this batch size and at every size priced from it, where nothing runs it
             # again.
             if seconds is not None and self._prices(launch):
-                self.policy.observe_step_time(launch.shape, launch.bs, seconds)
+                self.policy.observe_step_time(
+                    launch.shape, launch.bs, seconds, launch.context
+                )
         if self._trace is not None:
             scores = {s.label: self.policy.score(s, launch.bs) for s in self._shapes}
             mean = sum(accept_lengths) / len(accept_lengths)
