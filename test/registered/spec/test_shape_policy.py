@@ -827,3 +827,48 @@ def test_a_challenger_priced_at_a_shorter_context_is_probed_first(
         assert policy.counters.switches == 1 and late[-40:] == [CHAIN] * 40
     else:
         assert policy.counters.switches >= 2
+
+
+def test_a_price_carried_from_other_batch_sizes_keeps_their_contexts():
+    table = StepCostTable({}, ema_alpha=0.2)
+    for _ in range(2):
+        table.observe(CHAIN, 16, 2.7e-3, context=84.0)
+        table.observe(CHAIN, 64, 4.7e-3, context=1050.0)
+    assert table.context_at(CHAIN, 16) == 84.0
+    assert table.context_at(CHAIN, 48) == pytest.approx(84 + (1050 - 84) * 2 / 3)
+    assert (table.context_at(CHAIN, 1), table.context_at(CHAIN, 128)) == (84.0, 1050.0)
+    assert table.context_at(NARROW, 48) is None  # never measured
+    assert StepCostTable({CHAIN: {48: 4e-3}}, 0.2).context_at(CHAIN, 48) is None
+
+
+@pytest.mark.parametrize("contexts", [True, False], ids=["contexts", "no-contexts"])
+def test_a_shape_priced_from_long_contexts_elsewhere_is_probed(contexts):
+    """Session 64's bs-48 warm-up run: the chain had never run at bs 48; its price there was
+    interpolated from a bs-16 point at an 84-token context and a bs-64 point at the end of
+    1024-token runs, and the narrow tree, running, kept the whole run at a fifth less. The
+    interpolated price carries a context of about 730 tokens against the batch's 162: the
+    chain is probed at once and wins."""
+    cfg = PolicyConfig(shapes=(NARROW, CHAIN))
+    table = StepCostTable({}, cfg.ema_alpha)
+    for _ in range(2):
+        table.observe(CHAIN, 16, 2.7e-3, context=84.0 if contexts else None)
+        table.observe(CHAIN, 64, 4.7e-3, context=1050.0 if contexts else None)
+        table.observe(NARROW, 48, 4.6e-3, context=160.0 if contexts else None)
+    policy = ShapePolicy(
+        cfg, table, NARROW, initial_accept_lengths={NARROW: 2.92, CHAIN: 2.56}
+    )
+    seconds = {NARROW: 4.6e-3, CHAIN: 3.0e-3}
+    ran = []
+    for step in range(40):
+        context = 162.0 + 2.5 * step
+        shape = policy.choose(48, context if contexts else None)
+        ran.append(shape)
+        policy.observe_accept(shape, DRAWS_48[shape])
+        policy.observe_step_time(
+            shape, 48, seconds[shape], context if contexts else None
+        )
+    if contexts:
+        assert ran[0] == CHAIN and policy.counters.probes == 1
+        assert ran[-35:] == [CHAIN] * 35
+    else:
+        assert ran == [NARROW] * 40

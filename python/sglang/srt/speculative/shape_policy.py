@@ -190,9 +190,10 @@ class StepCostTable:
     A step's cost also grows with its requests' contexts (the KV its attention reads): over
     a run of 1024-token replies the chain's step at bs 48 went from 2.9 to 4.5 ms. A point
     remembers the mean context it was measured at, and a step at a context more than
-    CONTEXT_NEAR away from it replaces it instead of moving it by the EMA: a price is the
-    shape's cost at the context of its last run, and the policy probes a shape whose last run
-    is that far from the running batch's context (ShapePolicy._context_stale).
+    CONTEXT_NEAR away from it replaces it instead of moving it by the EMA. A price is the
+    shape's cost at the context of the points it comes from (context_at), and the policy
+    probes a shape priced that far from the running batch's context
+    (ShapePolicy._context_stale).
     """
 
     # How many times the expected seconds a step may take and still be believed.
@@ -230,6 +231,7 @@ class StepCostTable:
         # seconds() since the table last changed: the policy asks for the same few pairs
         # several times a step, on the scheduler's thread.
         self._memo: dict[tuple[Shape, int], float] = {}
+        self._context_memo: dict[tuple[Shape, int], Optional[float]] = {}
         for shape, by_bs in points.items():
             if not by_bs or min(by_bs.values()) <= 0:
                 raise ValueError(f"step costs of {shape.label} must be positive")
@@ -249,6 +251,30 @@ class StepCostTable:
                 seconds = min(seconds, self._from_points(shape, bs, confirmed))
             self._memo[(shape, bs)] = seconds
         return seconds
+
+    def context_at(self, shape: Shape, bs: int) -> Optional[float]:
+        """The mean context of the points seconds(shape, bs) comes from: the point's at bs,
+        the two around it weighed as the interpolation weighs them, or the nearest one's
+        past the ends (None where none is known, e.g. given costs)."""
+        key = (shape, bs)
+        if key not in self._context_memo:
+            known = {
+                b: self._contexts[(shape, b)]
+                for b in self._points.get(shape, ())
+                if (shape, b) in self._contexts
+            }
+            context = None
+            if bs in known:
+                context = known[bs]
+            elif known:
+                sizes = list(known)
+                i = bisect.bisect_left(sizes, bs)
+                if 0 < i < len(sizes):
+                    context = _interpolate(known, bs)
+                else:
+                    context = known[sizes[i - 1] if i > 0 else sizes[0]]
+            self._context_memo[key] = context
+        return self._context_memo[key]
 
     def _from_points(self, shape: Shape, bs: int, by_bs: Mapping[int, float]) -> float:
         """The shape's seconds at bs from by_bs (its points, sorted by batch size)."""
@@ -333,6 +359,7 @@ class StepCostTable:
                 self._confirmed[shape] = dict(sorted(confirmed.items()))
         self._drop_one_offs(shape, bs)
         self._memo.clear()
+        self._context_memo.clear()
 
     def _set(self, shape: Shape, bs: int, seconds: float) -> None:
         by_bs = self._points[shape]
@@ -429,8 +456,8 @@ class ShapePolicy:
     # policy switches to it on patience: its price is as old as its last run, the running
     # shape's as fresh as its last step, and a host or device that slowed down since makes
     # every idle shape look cheaper than it is now. A decisive challenger (a batch that
-    # jumped) is switched to at once. A challenger that last ran at a context not near the
-    # running batch's is probed alike (_context_stale).
+    # jumped) is switched to at once. A challenger priced at a context not near the running
+    # batch's is probed alike (_context_stale).
     STALE_AFTER = 64
 
     def __init__(
@@ -464,9 +491,7 @@ class ShapePolicy:
         self.counters = ShapeCounters()
         self._step = 0
         self._last_run = {s: 0 for s in config.shapes}
-        # The mean context of the batch at each shape's last step (absent: not known), and
-        # of the batch being decided for.
-        self._run_context: dict[Shape, float] = {}
+        # The mean context of the batch being decided for (None: not known).
         self._context: Optional[float] = None
         self._challenger: Optional[Shape] = None
         self._streak = 0
@@ -510,13 +535,13 @@ class ShapePolicy:
             else:
                 self._challenger, self._streak = best, 1
             if self._streak >= self.config.patience:
-                chosen, stale = best, self._stale(best)
+                chosen, stale = best, self._stale(best, bs)
             else:
                 chosen = self._decisive_challenger(scores)
                 # A decisive challenger (the batch jumped) is switched to without a probe,
                 # unless its price may be decisive only for having been taken at another
                 # context.
-                stale = chosen is not None and self._context_stale(chosen)
+                stale = chosen is not None and self._context_stale(chosen, bs)
             if stale:
                 self._start_probe(chosen, bs, self.PRICE_PROBE_STEPS)
                 return self._ran(self.current)
@@ -527,7 +552,7 @@ class ShapePolicy:
         probe = self._stale_contender(scores)
         steps = self.config.probe_steps
         if probe is None:
-            probe = self._context_contender(scores)
+            probe = self._context_contender(bs, scores)
             steps = self.PRICE_PROBE_STEPS
         if probe is None:
             probe = self._unpriced_contender(bs, scores)
@@ -547,21 +572,21 @@ class ShapePolicy:
         self._probe_bs = bs
         self._switch(shape, counted=False)
 
-    def _stale(self, shape: Shape) -> bool:
-        """Whether the shape's score rests on a run older than STALE_AFTER steps, or at
-        another context (_context_stale). `none`'s price is the target's decode step, which
-        drifts with the rest: stale alike."""
+    def _stale(self, shape: Shape, bs: int) -> bool:
+        """Whether the shape's score rests on a run older than STALE_AFTER steps, or on a
+        price at another context (_context_stale). `none`'s price is the target's decode
+        step, which drifts with the rest: stale alike."""
         idle_for = self._step - self._last_run[shape]
-        return idle_for > self.STALE_AFTER or self._context_stale(shape)
+        return idle_for > self.STALE_AFTER or self._context_stale(shape, bs)
 
-    def _context_stale(self, shape: Shape) -> bool:
-        """Whether the shape last ran at a mean context not near the running batch's: its
-        price is what a step cost then. Requests' contexts grow through a run, so an idle
-        shape's price taken late in one run is dear against the running shape's early in the
-        next, and one taken early is cheap later on: in a run of 1024-token replies at bs 48
-        the narrow tree, priced early, kept the chain, priced at the end of the run before,
-        out of a whole run that the chain makes a fifth faster."""
-        return not context_near(self._run_context.get(shape), self._context)
+    def _context_stale(self, shape: Shape, bs: int) -> bool:
+        """Whether the shape's price at bs was taken at a mean context not near the running
+        batch's: it is what a step cost then. Requests' contexts grow through a run, so an
+        idle shape's price taken late in one run is dear against the running shape's early in
+        the next, and one taken early is cheap later on: in a run of 1024-token replies at
+        bs 48 the narrow tree, priced early, kept the chain, priced at the end of the run
+        before, out of a whole run that the chain makes a fifth faster."""
+        return not context_near(self.costs.context_at(shape, bs), self._context)
 
     def observe_accept(self, shape: Shape, accept_lengths: Sequence[int]) -> None:
         """Feed the tokens each request committed in a step of `shape` (drafts + bonus)."""
@@ -611,24 +636,27 @@ class ShapePolicy:
             and self._step - self._last_run[s] > self.config.probe_interval,
         )
 
-    def _context_contender(self, scores: Mapping[Shape, float]) -> Optional[Shape]:
-        """An idle shape last run at a context over CONTEXT_NEAR times the running batch's,
-        scoring within CONTEXT_PROBE_MARGIN of the running shape: its price is dear against
-        the running shape's, so PRICE_PROBE_STEPS steps price it at this context. A shape last
-        run at a shorter context looks cheaper than it is instead: where that makes it win, the
-        switch waits for a probe (_stale), and where it does not, nothing is lost. So probes
-        come where contexts fall (a new run of requests, short requests joining long ones),
-        once per shape, not at every doubling as contexts grow."""
-        return self._best_within(scores, self.CONTEXT_PROBE_MARGIN, self._priced_dear)
+    def _context_contender(
+        self, bs: int, scores: Mapping[Shape, float]
+    ) -> Optional[Shape]:
+        """An idle shape priced at bs at a context over CONTEXT_NEAR times the running
+        batch's, scoring within CONTEXT_PROBE_MARGIN of the running shape: its price is dear
+        against the running shape's, so PRICE_PROBE_STEPS steps price it at this context. A
+        shape priced at a shorter context looks cheaper than it is instead: where that makes
+        it win, the switch waits for a probe (_stale), and where it does not, nothing is lost.
+        So probes come where contexts fall (a new run of requests, short requests joining
+        long ones), once per shape, not at every doubling as contexts grow."""
 
-    def _priced_dear(self, shape: Shape) -> bool:
-        then = self._run_context.get(shape)
-        now = self._context
-        return (
-            then is not None
-            and now is not None
-            and then > now * StepCostTable.CONTEXT_NEAR
-        )
+        def priced_dear(shape: Shape) -> bool:
+            then = self.costs.context_at(shape, bs)
+            now = self._context
+            return (
+                then is not None
+                and now is not None
+                and then > now * StepCostTable.CONTEXT_NEAR
+            )
+
+        return self._best_within(scores, self.CONTEXT_PROBE_MARGIN, priced_dear)
 
     def _unpriced_contender(
         self, bs: int, scores: Mapping[Shape, float]
@@ -674,7 +702,5 @@ class ShapePolicy:
 
     def _ran(self, shape: Shape) -> Shape:
         self._last_run[shape] = self._step
-        if self._context is not None:
-            self._run_context[shape] = self._context
         self.counters.steps[shape.label] = self.counters.steps.get(shape.label, 0) + 1
         return shape
