@@ -16,7 +16,9 @@ batch size be chosen at another. A switch needs the challenger to beat the runni
 margin for `patience` decisions in a row, or by a decisive margin once; a shape idle for
 `probe_interval` steps runs for `probe_steps` steps when its stale score is within the margin
 of the best, so its acceptance follows the traffic, and a shape priced only by a guess from a
-distant batch size runs a few steps once the batch settles, to measure its price there.
+distant batch size runs a few steps once the batch settles, to measure its price there. A
+price remembers the requests' mean context it was measured at (a step reads more KV as they
+grow): one taken far from the batch's context is measured again before it decides anything.
 
 Decisions only: which runtime state (graphs, backends) a shape uses is the worker's business.
 """
