@@ -847,7 +847,7 @@ def test_a_shape_priced_from_long_contexts_elsewhere_is_probed(contexts):
     interpolated from a bs-16 point at an 84-token context and a bs-64 point at the end of
     1024-token runs, and the narrow tree, running, kept the whole run at a fifth less. The
     interpolated price carries a context of about 730 tokens against the batch's 162: the
-    chain is probed at once and wins."""
+    chain is probed once the batch has settled at bs 48 (patience) and wins."""
     cfg = PolicyConfig(shapes=(NARROW, CHAIN))
     table = StepCostTable({}, cfg.ema_alpha)
     for _ in range(2):
@@ -868,7 +868,38 @@ def test_a_shape_priced_from_long_contexts_elsewhere_is_probed(contexts):
             shape, 48, seconds[shape], context if contexts else None
         )
     if contexts:
-        assert ran[0] == CHAIN and policy.counters.probes == 1
-        assert ran[-35:] == [CHAIN] * 35
+        patience = cfg.patience
+        assert ran[: patience - 1] == [NARROW] * (patience - 1)
+        assert ran[patience - 1] == CHAIN and policy.counters.probes == 1
+        assert ran[-25:] == [CHAIN] * 25
     else:
         assert ran == [NARROW] * 40
+
+
+def costs_at(shape: Shape, bs: int) -> float:
+    """COSTS[shape] at bs, linear between its batch sizes."""
+    sizes = sorted(COSTS[shape])
+    hi = next(b for b in sizes if b >= bs)
+    lo = max(b for b in sizes if b <= bs) if bs >= sizes[0] else hi
+    if lo == hi:
+        return COSTS[shape][hi]
+    w = (bs - lo) / (hi - lo)
+    return (1 - w) * COSTS[shape][lo] + w * COSTS[shape][hi]
+
+
+def test_a_ramp_of_new_requests_probes_each_shape_once():
+    """Every shape priced at a 1000-token context; then new requests arrive one a step at a
+    100-token context (steps a quarter cheaper) and the batch stays at 48. Each shape's
+    points at the ramp's sizes are dear one size after another: probing each as the batch
+    reaches it ran the narrow tree and `none` nine times in these 88 steps; a shape is
+    probed for its context once in STALE_AFTER steps."""
+    policy = make_policy(initial=CHAIN)
+    for shape, by_bs in COSTS.items():
+        for bs, seconds in by_bs.items():
+            for _ in range(2):
+                policy.observe_step_time(shape, bs, seconds, context=1000.0)
+    for bs in list(range(1, 49)) + [48] * 40:
+        shape = policy.choose(bs, 100.0)
+        policy.observe_accept(shape, [3, 2, 3] * 16 if shape.speculates else [])
+        policy.observe_step_time(shape, bs, costs_at(shape, bs) * 0.775, 100.0)
+    assert 1 <= policy.counters.probes <= 3, policy.counters

@@ -495,6 +495,8 @@ class ShapePolicy:
         self._last_run = {s: 0 for s in config.shapes}
         # The mean context of the batch being decided for (None: not known).
         self._context: Optional[float] = None
+        # The step of each shape's last probe for a price at another context.
+        self._context_probed: dict[Shape, int] = {}
         self._challenger: Optional[Shape] = None
         self._streak = 0
         self._probe_left = 0
@@ -647,18 +649,28 @@ class ShapePolicy:
         shape priced at a shorter context looks cheaper than it is instead: where that makes
         it win, the switch waits for a probe (_stale), and where it does not, nothing is lost.
         So probes come where contexts fall (a new run of requests, short requests joining
-        long ones), once per shape, not at every doubling as contexts grow."""
+        long ones), not at every doubling as contexts grow; as price probes, once the batch
+        has stayed near bs for `patience` decisions; and once per shape in STALE_AFTER steps:
+        a ramp of new requests finds each shape's points at its larger sizes taken at the
+        longer contexts of the load before, one size after another."""
+        if self._settled_for < self.config.patience:
+            return None
 
         def priced_dear(shape: Shape) -> bool:
             then = self.costs.context_at(shape, bs)
             now = self._context
+            last = self._context_probed.get(shape)
             return (
                 then is not None
                 and now is not None
                 and then > now * StepCostTable.CONTEXT_NEAR
+                and (last is None or self._step - last > self.STALE_AFTER)
             )
 
-        return self._best_within(scores, self.CONTEXT_PROBE_MARGIN, priced_dear)
+        shape = self._best_within(scores, self.CONTEXT_PROBE_MARGIN, priced_dear)
+        if shape is not None:
+            self._context_probed[shape] = self._step
+        return shape
 
     def _unpriced_contender(
         self, bs: int, scores: Mapping[Shape, float]
