@@ -1024,3 +1024,25 @@ def test_a_trace_must_be_a_path(tmp_path):
         rt.read_shape_policy(
             write_config(tmp_path, shapes=["16,3,32", "4,3,8"], trace=3)
         )
+
+
+def test_a_steps_context_reaches_its_price_and_the_trace(tmp_path):
+    """The worker hands before_decode the batch's KV tokens (seq_lens_sum): the step's price
+    is taken at its requests' mean context, and its trace line says which."""
+    controller, clock, trace_path = traced_controller(tmp_path, force_switch_every=100)
+    for kv_tokens in (400, 440, 480):
+        controller.before_decode(4, seq_lens_sum=kv_tokens)
+        clock.now += 5e-3
+        controller.after_decode()
+        controller.on_verify_complete([2, 1, 2, 1])
+    results = [json.loads(line) for line in trace_path.read_text().splitlines()]
+    assert [r["context"] for r in results] == [100.0, 110.0, 120.0]
+    # The second step confirmed the price; the third was not timed ("time_every").
+    assert [r["seconds"] is not None for r in results] == [True, True, False]
+    assert controller.policy.costs.context_at(WIDE, 4) == 110.0
+    controller.before_decode(4)  # a worker that gives no lengths: no context
+    clock.now += 5e-3
+    controller.after_decode()
+    controller.on_verify_complete([2, 1, 2, 1])
+    last = json.loads(trace_path.read_text().splitlines()[-1])
+    assert last["step"] == 4 and "context" not in last
