@@ -341,7 +341,7 @@ class StepCostTable:
             or slow
             or bs in self._provisional.get(shape, ())
             or seconds * self.ONE_OFF_RATIO < point
-            or not context_near(measured_at, context)
+            or not _context_near(measured_at, context)
         )
         if not replace:
             a = self._ema_alpha
@@ -412,7 +412,7 @@ def _near(a: int, b: int) -> bool:
     return a / StepCostTable.NEAR <= b <= a * StepCostTable.NEAR
 
 
-def context_near(a: Optional[float], b: Optional[float]) -> bool:
+def _context_near(a: Optional[float], b: Optional[float]) -> bool:
     """Mean contexts within StepCostTable.CONTEXT_NEAR of each other; an unknown one is near
     any other."""
     if a is None or b is None:
@@ -590,7 +590,7 @@ class ShapePolicy:
         the next, and one taken early is cheap later on: in a run of 1024-token replies at
         bs 48 the narrow tree, priced early, kept the chain, priced at the end of the run
         before, out of a whole run that the chain makes a fifth faster."""
-        return not context_near(self.costs.context_at(shape, bs), self._context)
+        return not _context_near(self.costs.context_at(shape, bs), self._context)
 
     def observe_accept(self, shape: Shape, accept_lengths: Sequence[int]) -> None:
         """Feed the tokens each request committed in a step of `shape` (drafts + bonus)."""
@@ -653,17 +653,16 @@ class ShapePolicy:
         has stayed near bs for `patience` decisions; and once per shape in STALE_AFTER steps:
         a ramp of new requests finds each shape's points at its larger sizes taken at the
         longer contexts of the load before, one size after another."""
-        if self._settled_for < self.config.patience:
+        if self._context is None or self._settled_for < self.config.patience:
             return None
+        ceiling = self._context * StepCostTable.CONTEXT_NEAR
 
         def priced_dear(shape: Shape) -> bool:
             then = self.costs.context_at(shape, bs)
-            now = self._context
             last = self._context_probed.get(shape)
             return (
                 then is not None
-                and now is not None
-                and then > now * StepCostTable.CONTEXT_NEAR
+                and then > ceiling
                 and (last is None or self._step - last > self.STALE_AFTER)
             )
 
