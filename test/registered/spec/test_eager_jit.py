@@ -39,6 +39,8 @@ EAGER_KERNELS = [
     ("sglang.srt.layers.attention.triton_backend", "get_num_kv_splits_triton"),
     ("sglang.srt.layers.attention.fa3_tree_metadata", "_tree_verify_expand_kernel"),
     ("sglang.srt.model_executor.forward_batch_info", "compute_position_kernel"),
+    ("sglang.srt.speculative.plain_decode_kernels", "_decode_inputs_kernel"),
+    ("sglang.srt.speculative.plain_decode_kernels", "_push_rows_kernel"),
 ]
 
 

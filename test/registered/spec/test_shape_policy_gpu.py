@@ -32,7 +32,7 @@ def prompts(toy_pair):
 
 def policy_kwargs(tmp_path, target, draft, shapes=SHAPES, **config_and_engine):
     config = {"shapes": shapes}
-    for key in ("force_switch_every", "patience", "margin", "step_time"):
+    for key in ("force_switch_every", "patience", "margin", "step_time", "trace"):
         if key in config_and_engine:
             config[key] = config_and_engine.pop(key)
     path = tmp_path / "shape-policy.json"
@@ -115,6 +115,44 @@ def test_forced_switches_through_none_keep_token_identity(
     record_metric("accept_length_by_bs", accept)
     assert any(b == "none" for _, b, _ in seen), "no step ran without speculation"
     assert any(a == "none" for a, _, _ in seen), "speculation never resumed"
+
+
+# The kernels a `none` step launches around its DECODE graph (plain_decode_kernels).
+NONE_STEP_KERNELS = {"_decode_inputs_kernel", "_push_rows_kernel"}
+
+
+def test_none_steps_compile_none_of_their_kernels_while_serving(
+    toy_pair, prompts, tmp_path, record_metric
+):
+    """The server compiles (or loads) the kernels of its `none` steps at start-up: no line
+    of the policy's trace after the first (which carries what start-up compiled) lists one,
+    at any batch size. Greedy only: a sampled batch's int32 token ids are covered by
+    test_plain_decode_kernels' specialisation keys, and on a cold GPU host spec v2's
+    sampling kernels take minutes to compile (test_tree_v2_sampling_completes...)."""
+    target, draft = toy_pair
+    trace = tmp_path / "trace.jsonl"
+    kwargs = policy_kwargs(
+        tmp_path,
+        target,
+        draft,
+        shapes=["16,3,32", "none", "1,3,4"],
+        force_switch_every=3,
+        trace=str(trace),
+    )
+    with eng.engine(**kwargs) as e:
+        for bs in BATCH_SIZES:
+            eng.generate(e, prompts[:bs], MAX_NEW_TOKENS)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    none_steps = sum(line.get("shape") == "none" for line in lines)
+    late = [
+        (line.get("step"), label)
+        for line in lines[1:]
+        for label, _ in line.get("compiles", ())
+        if label.split("[")[0] in NONE_STEP_KERNELS
+    ]
+    record_metric("none_steps", none_steps)
+    assert none_steps > 0, "no step ran without speculation"
+    assert late == [], f"compiled while serving: {late}"
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang.srt.utils.eager_jit import eager_jit
+
 # ----------------------------------------------------------------------------- DECODE inputs
 
 
@@ -47,7 +49,7 @@ def decode_inputs_reference(
     )
 
 
-@triton.jit
+@eager_jit
 def _decode_inputs_kernel(
     req_to_token_ptr,
     req_to_token_stride,
@@ -131,7 +133,7 @@ def push_rows_reference(
     lag[slots] = column + 1
 
 
-@triton.jit
+@eager_jit
 def _push_rows_kernel(
     ring_hidden_ptr,
     ring_tokens_ptr,
@@ -200,3 +202,45 @@ def push_rows(
 ) -> None:
     run = push_rows_triton if lag.is_cuda else push_rows_reference
     run(ring_hidden, ring_tokens, lag, slots, hidden, tokens)
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+# The dtypes a `none` step's token tensors come in: sglang's sampler returns int64 token ids
+# for a greedy batch (argmax) and int32 for a sampled one, and the carried bonus tokens keep
+# the dtype of the step that made them.
+TOKEN_DTYPES = (torch.int32, torch.int64)
+
+
+def compile_kernels(
+    req_to_token: torch.Tensor,
+    ring_hidden: torch.Tensor,
+    ring_tokens: torch.Tensor,
+    lag: torch.Tensor,
+) -> None:
+    """Compile (or load from Triton's cache) every variant of the two kernels a `none` step
+    launches, at start-up: one launch of each per token dtype, on scratch tensors of the
+    dtypes and hidden width of the server's own (req_to_token, the ring's tensors). Compiled
+    at the server's first `none` steps instead, each held every running request for about
+    50 ms, and a batch first steps without speculation where it is large. The kernels do not
+    specialise on alignment or integer values (eager_jit), so a scratch tensor selects the
+    server's compile."""
+    device = lag.device
+    slots = torch.zeros(1, dtype=torch.int64, device=device)
+    seq_lens = torch.zeros(1, dtype=torch.int64, device=device)
+    rows = torch.zeros(1, 1, dtype=req_to_token.dtype, device=device)
+    hidden_size = ring_hidden.shape[2]
+    hidden = torch.zeros(1, hidden_size, dtype=ring_hidden.dtype, device=device)
+    for dtype in TOKEN_DTYPES:
+        tokens = torch.zeros(1, dtype=dtype, device=device)
+        decode_inputs_triton(rows, slots, seq_lens, tokens)
+        # A ring of one slot and one row per launch: the push fills it.
+        push_rows_triton(
+            torch.zeros(1, 1, hidden_size, dtype=ring_hidden.dtype, device=device),
+            torch.zeros(1, 1, dtype=ring_tokens.dtype, device=device),
+            torch.zeros(1, dtype=lag.dtype, device=device),
+            slots,
+            hidden,
+            tokens,
+        )

@@ -802,8 +802,9 @@ def make_shape_controller(worker, server_args) -> Optional[ShapeController]:
 
 def make_plain_decode_steps(server_args, req_to_token_pool, draft_worker):
     """The `none` steps of a worker whose shape policy has `none` in its set, their ring
-    allocated now, at start-up; or None."""
+    allocated and their kernels compiled now, at start-up; or None."""
     from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    from sglang.srt.speculative.plain_decode_kernels import compile_kernels
     from sglang.srt.speculative.plain_decode_steps import (
         PlainDecodeSteps,
         allocate_ring,
@@ -822,6 +823,10 @@ def make_plain_decode_steps(server_args, req_to_token_pool, draft_worker):
         dtype=EagleDraftExtendInput.dtype_for(draft_worker),
         device=req_to_token_pool.req_to_token.device,
     )
+    if ring.lag.is_cuda:  # elsewhere a `none` step runs the kernels' torch references
+        compile_kernels(
+            req_to_token_pool.req_to_token, ring.hidden, ring.tokens, ring.lag
+        )
     return PlainDecodeSteps(ring)
 
 
