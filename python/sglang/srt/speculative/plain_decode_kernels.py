@@ -231,6 +231,8 @@ def compile_kernels(
     seq_lens = torch.zeros(1, dtype=torch.int64, device=device)
     rows = torch.zeros(1, 1, dtype=req_to_token.dtype, device=device)
     hidden_size = ring_hidden.shape[2]
+    # The target's hidden states, pushed in the dtype the ring was allocated with (the one
+    # upstream gives the draft extend's hidden states).
     hidden = torch.zeros(1, hidden_size, dtype=ring_hidden.dtype, device=device)
     for dtype in TOKEN_DTYPES:
         tokens = torch.zeros(1, dtype=dtype, device=device)
