@@ -11,7 +11,10 @@ per_test_timeout() {
 }
 # After the tests: an sglang process (its title starts "sglang::") that outlived its test, e.g.
 # a child an interrupted lane did not reach, is named and killed. On a warm host the next call
-# would otherwise share the CPUs and the GPU with it and measure that.
+# would otherwise share the CPUs and the GPU with it and measure that. Every such process on
+# the host, the tests' or not: never run tests beside a benchmark (session 65's call C lost its
+# benchmark's engines to this sweep when a lane ended). sglang's children cannot be told apart
+# by an environment mark, since setproctitle overwrites what /proc/PID/environ shows.
 stop_leftover_engines() {
   local left
   left=$(pgrep -f '^sglang::' || true)
