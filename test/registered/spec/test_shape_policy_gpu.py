@@ -121,21 +121,20 @@ def test_forced_switches_through_none_keep_token_identity(
 NONE_STEP_KERNELS = {"_decode_inputs_kernel", "_push_rows_kernel"}
 
 
-def test_none_steps_compile_none_of_their_kernels_while_serving(
-    toy_pair, prompts, tmp_path, record_metric
-):
-    """The server compiles (or loads) the kernels of its `none` steps at start-up: no line
-    of the policy's trace after the first (which carries what start-up compiled) lists one,
-    at any batch size. Greedy only: a sampled batch's int32 token ids are covered by
-    test_plain_decode_kernels' specialisation keys, and on a cold GPU host spec v2's
-    sampling kernels take minutes to compile (test_tree_v2_sampling_completes...)."""
+def compiles_while_serving(
+    toy_pair, prompts, tmp_path, shapes: list[str], kernels: set[str]
+) -> tuple[int, list[tuple]]:
+    """Serve greedy batches at bs 1, 8 and 48 (sizes the graphs were captured at) under
+    forced switches among `shapes`, with the policy's trace: the `none` steps taken, and
+    (step, variant) of each of `kernels` compiled or loaded after the trace's first line
+    (which carries what start-up compiled)."""
     target, draft = toy_pair
     trace = tmp_path / "trace.jsonl"
     kwargs = policy_kwargs(
         tmp_path,
         target,
         draft,
-        shapes=["16,3,32", "none", "1,3,4"],
+        shapes=shapes,
         force_switch_every=3,
         trace=str(trace),
     )
@@ -148,10 +147,41 @@ def test_none_steps_compile_none_of_their_kernels_while_serving(
         (line.get("step"), label)
         for line in lines[1:]
         for label, _ in line.get("compiles", ())
-        if label.split("[")[0] in NONE_STEP_KERNELS
+        if label.split("[")[0] in kernels
     ]
+    return none_steps, late
+
+
+def test_none_steps_compile_none_of_their_kernels_while_serving(
+    toy_pair, prompts, tmp_path, record_metric
+):
+    """The server compiles (or loads) the kernels of its `none` steps at start-up: no line
+    of the policy's trace after the first lists one, at any batch size. Greedy only: a
+    sampled batch's int32 token ids are covered by test_plain_decode_kernels'
+    specialisation keys, and on a cold GPU host spec v2's sampling kernels take minutes to
+    compile (test_tree_v2_sampling_completes...)."""
+    none_steps, late = compiles_while_serving(
+        toy_pair, prompts, tmp_path, ["16,3,32", "none", "1,3,4"], NONE_STEP_KERNELS
+    )
     record_metric("none_steps", none_steps)
     assert none_steps > 0, "no step ran without speculation"
+    assert late == [], f"compiled while serving: {late}"
+
+
+def test_draft_replays_compile_no_kv_index_kernel_while_serving(
+    toy_pair, prompts, tmp_path
+):
+    """Each shape's draft-decode graphs were captured with their buffers' int32 seq_lens;
+    a replay at a batch that fills a captured size exactly used to hand the KV-index kernel
+    the batch's int64 ones instead, a compile per power-of-two bucket and shape in the
+    middle of serving (patch 0029)."""
+    _, late = compiles_while_serving(
+        toy_pair,
+        prompts,
+        tmp_path,
+        ["16,3,32", "4,3,8", "1,3,4"],
+        {"generate_draft_decode_kv_indices"},
+    )
     assert late == [], f"compiled while serving: {late}"
 
 
