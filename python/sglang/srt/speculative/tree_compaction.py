@@ -192,7 +192,26 @@ def _move_row_tile(
     )
 
 
-@triton.jit
+# The path's index tensors and lengths, which a step's compile must not depend on: the
+# verify's KV slots are a slice of the allocator's free list (its alignment changes from step
+# to step) and the lengths change with the shape, so Triton's specialisation on them compiled
+# the kernel again in the middle of serving (102 ms at a policy's wide-tree step on a host
+# without Triton's cache). The row tensors keep theirs: moving their columns is the bulk of
+# the work, and their pointers and strides are fixed by the model.
+_PATH_INDEX_ARGS = [
+    "accept_index_ptr",
+    "out_cache_loc_ptr",
+    "predict_ptr",
+    "tgt_slots_ptr",
+    "src_slots_ptr",
+    "bonus_ptr",
+]
+
+
+@triton.jit(
+    do_not_specialize=["max_accept", "num_draft_tokens"],
+    do_not_specialize_on_alignment=_PATH_INDEX_ARGS,
+)
 def _compact_accepted_path_kernel(
     accept_index_ptr,  # [bs, max_accept] flat rows of the path, -1 past its end
     out_cache_loc_ptr,  # [bs * num_draft_tokens] KV slot of each row
