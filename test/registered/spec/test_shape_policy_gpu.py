@@ -174,7 +174,7 @@ def test_draft_replays_compile_no_kv_index_kernel_while_serving(
     """Each shape's draft-decode graphs were captured with their buffers' int32 seq_lens;
     a replay at a batch that fills a captured size exactly used to hand the KV-index kernel
     the batch's int64 ones instead, a compile per power-of-two bucket and shape in the
-    middle of serving (patch 0029)."""
+    middle of serving (the triton-eager-kernels-compiled-once patch)."""
     _, late = compiles_while_serving(
         toy_pair,
         prompts,
