@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from sglang.srt.speculative.context_slope import ContextSlope
 from sglang.srt.speculative.shape_policy import (
     GUESS_DRAWS,
     NONE,
@@ -794,15 +795,13 @@ def test_a_run_begins_on_the_shape_that_wins_at_its_context(contexts):
         assert min(later) < 0.5, later  # what the policy did without them
 
 
-@pytest.mark.parametrize("chain_late_ms", [4.0, 4.6], ids=["on-patience", "decisive"])
-@pytest.mark.parametrize("contexts", [True, False], ids=["contexts", "no-contexts"])
-def test_a_challenger_priced_at_a_shorter_context_is_probed_first(
-    chain_late_ms, contexts
-):
-    """The narrow tree ran a few steps at a 100-token context before the chain took over;
-    at 1000 tokens the chain's fresh price makes the narrow tree's old one look 14 % (on
-    patience) or 31 % (decisive) better. Either way the narrow tree is probed at this context
-    first, and its fresh price keeps the chain; without contexts the policy switched."""
+def run_short_then_long(
+    chain_late_ms: float, contexts: bool
+) -> tuple[list[Shape], int]:
+    """The narrow tree runs a few steps at a 100-token context before the chain takes over
+    on patience; then 60 steps at 1000 tokens, where the chain's fresh price makes the narrow
+    tree's old one look 14 % (chain_late_ms 4.0: on patience) or 31 % (4.6: decisive) better
+    than the chain's. Returns the shapes run and the policy's switches."""
     cfg = PolicyConfig(shapes=(NARROW, CHAIN))
     seconds = {NARROW: {100: 4.0e-3, 1000: 5.5e-3}, CHAIN: {100: 3.0e-3}}
     seconds[CHAIN][1000] = chain_late_ms / 1e3
@@ -821,12 +820,36 @@ def test_a_challenger_priced_at_a_shorter_context_is_probed_first(
             shape, 48, seconds[shape][context], context if contexts else None
         )
     assert ran[:20] == [NARROW] * 7 + [CHAIN] * 13  # the chain won on patience
+    return ran, policy.counters.switches
+
+
+@pytest.mark.parametrize("chain_late_ms", [4.0, 4.6], ids=["on-patience", "decisive"])
+@pytest.mark.parametrize("contexts", [True, False], ids=["contexts", "no-contexts"])
+def test_a_challenger_priced_at_a_shorter_context_is_probed_first(
+    monkeypatch, chain_late_ms, contexts
+):
+    """Where no cost per token of context is known yet (ContextSlope says nothing), the
+    narrow tree, priced at a tenth of the batch's context, is probed at this context before
+    any switch, and its fresh price keeps the chain; without contexts the policy switched.
+    """
+    monkeypatch.setattr(ContextSlope, "MIN_STEPS", float("inf"))
+    ran, switches = run_short_then_long(chain_late_ms, contexts)
     late = ran[20:]
     if contexts:
         assert late.count(NARROW) == ShapePolicy.PRICE_PROBE_STEPS
-        assert policy.counters.switches == 1 and late[-40:] == [CHAIN] * 40
+        assert switches == 1 and late[-40:] == [CHAIN] * 40
     else:
-        assert policy.counters.switches >= 2
+        assert switches >= 2
+
+
+@pytest.mark.parametrize("chain_late_ms", [4.0, 4.6], ids=["on-patience", "decisive"])
+def test_a_price_carried_to_the_batchs_context_needs_no_probe(chain_late_ms):
+    """The chain's own steps at 100 and 1000 tokens say what a token of context costs at bs
+    48; the narrow tree's price from 100 tokens, carried to 1000 by it, is no challenger:
+    the chain runs every step at 1000 tokens, with no probe."""
+    ran, switches = run_short_then_long(chain_late_ms, contexts=True)
+    assert ran[20:] == [CHAIN] * 60
+    assert switches == 1
 
 
 def test_a_price_carried_from_other_batch_sizes_keeps_their_contexts():
@@ -903,3 +926,45 @@ def test_a_ramp_of_new_requests_probes_each_shape_once():
         policy.observe_accept(shape, [3, 2, 3] * 16 if shape.speculates else [])
         policy.observe_step_time(shape, bs, costs_at(shape, bs) * 0.775, 100.0)
     assert 1 <= policy.counters.probes <= 3, policy.counters
+
+
+@pytest.mark.parametrize("carried", [True, False], ids=["carried", "not-carried"])
+def test_an_idle_price_from_mid_run_is_carried_to_the_batchs_context(
+    monkeypatch, carried
+):
+    """The chain runs a run of 1024-token replies at bs 48 (step_ms: the chain wins at every
+    context); at 600 tokens the narrow tree is priced by an interval probe. Near 1000 tokens,
+    within twice the probe's context, that price scores over the margin above the chain's
+    fresh one: the narrow tree wins on patience and, idle for more than STALE_AFTER steps,
+    is probed again (three steps, each a fifth dearer than the chain's). Carried to the
+    batch's context by the chain's own cost per token, it scores below the chain: no probe,
+    the chain runs every step."""
+    if not carried:
+        monkeypatch.setattr(ContextSlope, "MIN_STEPS", float("inf"))
+    cfg = PolicyConfig(shapes=(NARROW, CHAIN), probe_interval=10**9)
+    policy = ShapePolicy(
+        cfg,
+        StepCostTable({}, cfg.ema_alpha),
+        CHAIN,
+        initial_accept_lengths={NARROW: 2.92, CHAIN: 2.56},
+    )
+    for _ in range(50):  # the accept lengths of both shapes as measured
+        policy.observe_accept(NARROW, DRAWS_48[NARROW])
+        policy.observe_accept(CHAIN, DRAWS_48[CHAIN])
+    ran = []
+    for context in [60 + 1000 * i / 379 for i in range(380)]:
+        if ran and ran[-1] == CHAIN and 600 <= context < 603:
+            # An interval probe's steps, as the policy would have run them.
+            for _ in range(3):
+                policy.observe_step_time(
+                    NARROW, 48, step_ms(NARROW, 48, context) / 1e3, context
+                )
+        shape = policy.choose(48, context)
+        ran.append(shape)
+        policy.observe_accept(shape, DRAWS_48[shape])
+        policy.observe_step_time(shape, 48, step_ms(shape, 48, context) / 1e3, context)
+    if carried:
+        assert ran == [CHAIN] * 380
+    else:
+        # What the policy did without the carry: a stale challenger's probe.
+        assert ran.count(NARROW) == ShapePolicy.PRICE_PROBE_STEPS

@@ -18,7 +18,9 @@ margin for `patience` decisions in a row, or by a decisive margin once; a shape 
 of the best, so its acceptance follows the traffic, and a shape priced only by a guess from a
 distant batch size runs a few steps once the batch settles, to measure its price there. A
 price remembers the requests' mean context it was measured at (a step reads more KV as they
-grow): one taken far from the batch's context is measured again before it decides anything.
+grow) and is carried to the batch's context by what a token of context costs a step at that
+batch size, once the steps run say (context_slope); one taken far from the batch's context is
+measured again before it decides anything.
 
 Decisions only: which runtime state (graphs, backends) a shape uses is the worker's business.
 """
@@ -29,6 +31,8 @@ import bisect
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+
+from sglang.srt.speculative.context_slope import ContextSlope
 
 CONFIG_FLAG = "--speculative-adaptive-config"
 
@@ -193,9 +197,10 @@ class StepCostTable:
     a run of 1024-token replies the chain's step at bs 48 went from 2.9 to 4.5 ms. A point
     remembers the mean context it was measured at, and a step at a context more than
     CONTEXT_NEAR away from it replaces it instead of moving it by the EMA. A price is the
-    shape's cost at the context of the points it comes from (context_at), and the policy
-    probes a shape priced that far from the running batch's context
-    (ShapePolicy._context_stale).
+    shape's cost at the context of the points it comes from (context_at); seconds_at
+    carries it to another context by what a token of context costs at that batch size
+    (ContextSlope, fed by the believed steps), and the policy probes a shape priced that
+    far from the running batch's context (ShapePolicy._context_stale).
     """
 
     # How many times the expected seconds a step may take and still be believed.
@@ -234,6 +239,10 @@ class StepCostTable:
         # several times a step, on the scheduler's thread.
         self._memo: dict[tuple[Shape, int], float] = {}
         self._context_memo: dict[tuple[Shape, int], Optional[float]] = {}
+        # What a token of mean context costs a step, by batch size, and seconds_at()'s
+        # (seconds, their context, that cost) by (shape, bs) since the table last changed.
+        self.context_slope = ContextSlope()
+        self._line_memo: dict[tuple[Shape, int], tuple] = {}
         for shape, by_bs in points.items():
             if not by_bs or min(by_bs.values()) <= 0:
                 raise ValueError(f"step costs of {shape.label} must be positive")
@@ -253,6 +262,28 @@ class StepCostTable:
                 seconds = min(seconds, self._from_points(shape, bs, confirmed))
             self._memo[(shape, bs)] = seconds
         return seconds
+
+    def seconds_at(self, shape: Shape, bs: int, context: Optional[float]) -> float:
+        """seconds(shape, bs) carried from the context of the points it comes from to
+        `context` (the batch's mean KV tokens) by what a token of context costs a step at bs
+        (ContextSlope), never below half of it; as is where either context is unknown.
+        """
+        line = self._line_memo.get((shape, bs))
+        if line is None:
+            per_token = self.context_slope.per_token(bs)
+            # Without a cost per token there is nothing to carry (the usual case until
+            # contexts have spread at some batch size).
+            then = self.context_at(shape, bs) if per_token > 0 else None
+            line = self._line_memo[(shape, bs)] = (
+                self.seconds(shape, bs),
+                then,
+                per_token,
+            )
+        seconds, then, per_token = line
+        if context is None or then is None:
+            return seconds
+        carried = seconds + per_token * (context - then)
+        return carried if carried > 0.5 * seconds else 0.5 * seconds
 
     def context_at(self, shape: Shape, bs: int) -> Optional[float]:
         """The mean context of the points seconds(shape, bs) comes from: the point's at bs,
@@ -331,6 +362,8 @@ class StepCostTable:
             if self._slow[shape] < self.ONE_OFF_STREAK:
                 return
         self._slow.pop(shape, None)
+        if context is not None:
+            self.context_slope.observe(shape, bs, context, seconds)
         by_bs = self._points.setdefault(shape, {})
         point = by_bs.get(bs)
         # Replace a point set by a first step, one far above this step (a one-off set it), or
@@ -362,6 +395,7 @@ class StepCostTable:
         self._drop_one_offs(shape, bs)
         self._memo.clear()
         self._context_memo.clear()
+        self._line_memo.clear()
 
     def _set(self, shape: Shape, bs: int, seconds: float) -> None:
         by_bs = self._points[shape]
@@ -508,7 +542,10 @@ class ShapePolicy:
         self._settled_for = 0
 
     def score(self, shape: Shape, bs: int) -> float:
-        return self.accept_length[shape] / self.costs.seconds(shape, bs)
+        """Expected tokens a second per request of `shape` at bs, its price carried to the
+        batch's context."""
+        seconds = self.costs.seconds_at(shape, bs, self._context)
+        return self.accept_length[shape] / seconds
 
     def choose(self, bs: int, context: Optional[float] = None) -> Shape:
         """The shape of the next decode step at batch size bs, whose requests' mean context
