@@ -18,6 +18,12 @@ and merged in one triton launch (fa3_tree_expand.py, what the series runs by def
 split (num_splits 1), GQA packing forced (pack_gqa), and the prefix pass's tile schedule made once (scheduler_metadata, as sglang does
 for decode only), and a prefix page table far wider than the prefixes (as when the table's
 rows are sized from bounds); `fa3 / split` compares sglang's cascade with the series' triton verify.
+
+With --flashinfer, FlashInfer's masked verify as sglang's backend ran it, its unmasked prefix
+pass alone, and the cascade the series runs (flashinfer_tree_cascade.py): the prefix pass and
+the same triton merge. The mask is a chain (rows see up to draft-tokens draft tokens) unless
+--tree-steps N gives each request a random tree's paths of at most N steps, as a verify of
+topk > 1 sees them.
 """
 
 from __future__ import annotations
@@ -74,6 +80,37 @@ def verify_batch(bs, prefix_len, draft_tokens, heads, kv_heads, dim, dev="cuda")
         k_scale=1.0,
         v_scale=1.0,
     )
+
+
+def random_tree(draft_tokens: int, steps: int, seed: int = 0) -> list[int]:
+    """parents[j] of an EAGLE-like tree of draft_tokens nodes (-1 for the root, node 0), each
+    node at most `steps` below the root, parents before their children: what a topk > 1
+    verify's rows see is a node's ancestors and itself, at most steps + 1 draft tokens.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    parents, depth = [-1], [0]
+    for _ in range(1, draft_tokens):
+        open_nodes = [i for i, d in enumerate(depth) if d < steps]
+        parent = open_nodes[int(torch.randint(len(open_nodes), (1,), generator=gen))]
+        parents.append(parent)
+        depth.append(depth[parent] + 1)
+    return parents
+
+
+def with_tree_mask(batch: dict, parents: list[int]) -> dict:
+    """The batch's extend blocks replaced by a tree's: draft token j sees itself and its
+    ancestors (parents[j], -1 for the root)."""
+    draft = len(parents)
+    visible = torch.zeros(draft, draft, dtype=torch.bool)
+    for j in range(draft):
+        node = j
+        while node >= 0:
+            visible[j, node] = True
+            node = parents[node]
+    bs = batch["qo_indptr"].shape[0] - 1
+    masks = batch["custom_mask"].view(bs, draft, -1).clone()
+    masks[:, :, -draft:] = visible.to(masks.device)
+    return dict(batch, custom_mask=masks.flatten(), is_causal=False)
 
 
 PLANNED_WARPS = triton_split_prefix.partial_warps
@@ -169,6 +206,12 @@ def main() -> None:
     p.add_argument(
         "--flashinfer", action="store_true", help="also FlashInfer's masked verify"
     )
+    p.add_argument(
+        "--tree-steps",
+        type=int,
+        default=0,
+        help="draft rows see a random tree's paths of at most this many steps (0: a chain)",
+    )
     p.add_argument("--out")
     a = p.parse_args()
     heads, kv_heads, dim = (int(x) for x in a.heads.split(","))
@@ -181,6 +224,9 @@ def main() -> None:
         for bs in (int(x) for x in a.batch_sizes.split(",")):
             for draft_tokens in (int(x) for x in a.draft_tokens.split(",")):
                 args = verify_batch(bs, prefix_len, draft_tokens, heads, kv_heads, dim)
+                if a.tree_steps:
+                    parents = random_tree(draft_tokens, a.tree_steps)
+                    args = with_tree_mask(args, parents)
                 upstream, out_upstream = time_us(args, False, False)
                 short, out_short = time_us(args, True, False)
                 split, out_split = time_us(args, True, True)

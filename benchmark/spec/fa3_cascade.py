@@ -183,11 +183,11 @@ def _fa3_pass(inputs: CascadeInputs, paged: PagedPass, **options):
 
 
 def expand_and_merge_in_triton(
-    inputs: CascadeInputs, out: torch.Tensor, lse: torch.Tensor
+    inputs: CascadeInputs, out: torch.Tensor, lse: torch.Tensor, lse_scale: float = 1.0
 ) -> torch.Tensor:
     """The draft rows attended and merged into a prefix pass's output `out` in place, in one
-    triton launch (fa3_tree_expand.attend_and_merge); lse: [heads, rows], natural log, as FA3
-    returns it."""
+    triton launch (fa3_tree_expand.attend_and_merge); lse: [heads, rows], natural log as FA3
+    returns it unless lse_scale says otherwise (FlashInfer's base 2: ln 2)."""
     return fa3_tree_expand.attend_and_merge(
         inputs.q,
         inputs.k_cache,
@@ -197,6 +197,7 @@ def expand_and_merge_in_triton(
         out,
         lse,
         inputs.q.shape[-1] ** -0.5,
+        lse_scale=lse_scale,
     )
 
 

@@ -7,10 +7,10 @@ request attends to the request's prefix and draft tokens under the custom mask, 
 cascade (fa3_cascade.py); the series runs its second half in one triton launch
 (fa3_tree_expand.attend_and_merge). `cascade` is that split on FlashInfer: the prefix pass
 unmasked, then the draft rows attended and merged in place by the same triton launch, which
-reads the prefix pass's LSE as FA3 returns it. FlashInfer returns it base 2 as [rows, heads];
-`fa3_lse` converts.
+reads the prefix pass's LSE where FlashInfer leaves it (base 2, [rows, heads]: its transposed
+view, scaled by ln 2).
 
-`masked_kv` and `fa3_lse` are plain torch, checked on the CPU
+`masked_kv` is plain torch, checked on the CPU
 (test/registered/foundation/test_fa3_cascade_bench.py); the FlashInfer calls need a GPU.
 """
 
@@ -53,11 +53,6 @@ def masked_kv(inputs: CascadeInputs) -> MaskedKV:
         ),
         kv_indices=torch.cat([prefix, draft], dim=1).flatten(),
     )
-
-
-def fa3_lse(flashinfer_lse: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's base-2 LSE [rows, heads] as FA3 returns it: natural log, [heads, rows]."""
-    return (flashinfer_lse * math.log(2.0)).T.contiguous()
 
 
 def _planned_wrapper(
@@ -127,7 +122,8 @@ def flashinfer_verify(
 
     def cascade() -> torch.Tensor:
         out, lse = unmasked.run(inputs.q, cache, return_lse=True)
-        return expand_and_merge_in_triton(inputs, out, fa3_lse(lse))
+        # FlashInfer's LSE read where it lies: [rows, heads] base 2, as its transposed view.
+        return expand_and_merge_in_triton(inputs, out, lse.T, lse_scale=math.log(2.0))
 
     return FlashInferVerify(
         masked_pass=lambda: masked.run(inputs.q, cache),

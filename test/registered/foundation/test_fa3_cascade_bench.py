@@ -9,6 +9,7 @@ mask.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -25,22 +26,6 @@ from sglang.srt.layers.attention.triton_split_prefix import (  # noqa: E402
 )
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
-
-
-def with_tree_mask(batch: dict, parents: list[int]) -> dict:
-    """The batch's extend blocks replaced by a tree's: draft token j sees itself and its
-    ancestors (parents[j], -1 for the root)."""
-    draft = len(parents)
-    visible = torch.zeros(draft, draft, dtype=torch.bool)
-    for j in range(draft):
-        node = j
-        while node >= 0:
-            visible[j, node] = True
-            node = parents[node]
-    bs = batch["qo_indptr"].shape[0] - 1
-    masks = batch["custom_mask"].view(bs, draft, -1).clone()
-    masks[:, :, -draft:] = visible
-    return dict(batch, custom_mask=masks.flatten(), is_causal=False)
 
 
 def extend_reference(batch: dict) -> torch.Tensor:
@@ -80,7 +65,7 @@ def test_the_cascade_inputs_attend_as_the_verify_does(bs, prefix_len, parents):
     batch = bench_verify_attention.verify_batch(
         bs, prefix_len, len(parents), HEADS, KV_HEADS, DIM, dev="cpu"
     )
-    batch = with_tree_mask(batch, parents)
+    batch = bench_verify_attention.with_tree_mask(batch, parents)
     inputs = fa3_cascade.cascade_inputs(batch)
 
     got = fa3_cascade.reference_cascade(inputs, sm_scale=DIM**-0.5)
@@ -118,7 +103,7 @@ def test_the_triton_expand_variant_attends_as_the_verify_does(bs, prefix_len, pa
     batch = bench_verify_attention.verify_batch(
         bs, prefix_len, len(parents), HEADS, KV_HEADS, DIM, dev="cpu"
     )
-    batch = with_tree_mask(batch, parents)
+    batch = bench_verify_attention.with_tree_mask(batch, parents)
     inputs = fa3_cascade.cascade_inputs(batch)
     prefix_out, prefix_lse = fa3_cascade._paged_attention_reference(
         inputs, inputs.prefix, DIM**-0.5
@@ -152,7 +137,7 @@ def test_the_masked_flashinfer_call_reads_what_the_verify_reads(
     batch = bench_verify_attention.verify_batch(
         bs, prefix_len, len(parents), HEADS, KV_HEADS, DIM, dev="cpu"
     )
-    batch = with_tree_mask(batch, parents)
+    batch = bench_verify_attention.with_tree_mask(batch, parents)
     inputs = fa3_cascade.cascade_inputs(batch)
     kv = flashinfer_verify.masked_kv(inputs)
 
@@ -173,13 +158,48 @@ def test_the_masked_flashinfer_call_reads_what_the_verify_reads(
     torch.testing.assert_close(got, extend_reference(batch), atol=2e-2, rtol=2e-2)
 
 
-def test_flashinfer_lse_converts_to_fa3s():
-    """FlashInfer's LSE is base 2 and [rows, heads]; fa3_tree_expand reads FA3's, natural log
-    and [heads, rows]."""
+def test_the_expand_reads_flashinfers_lse_where_it_lies():
+    """FlashInfer's LSE is base 2 and [rows, heads]; fa3_tree_expand takes it as its
+    transposed view with lse_scale ln 2 and merges as with FA3's natural-log [heads, rows].
+    """
+    from sglang.srt.layers.attention import fa3_tree_expand
+
     torch.manual_seed(0)
-    scores = torch.randn(5, 3, 11)  # [rows, heads, keys]
+    rows, heads, dim = 5, 4, 8
+    scores = torch.randn(rows, heads, 11)
+    natural = torch.logsumexp(scores, dim=-1)  # [rows, heads]
     base2 = torch.log2(torch.exp2(scores * 1.4426950408889634).sum(-1))
-    natural = torch.logsumexp(scores, dim=-1)
-    converted = flashinfer_verify.fa3_lse(base2)
-    assert converted.shape == (3, 5)
-    torch.testing.assert_close(converted, natural.T)
+    q, out = torch.randn(rows, heads, dim), torch.randn(rows, heads, dim)
+    cache = torch.randn(16, 1, 2, dim), torch.randn(16, 1, 2, dim)
+    table = torch.randint(0, 16, (rows, 3), dtype=torch.int32)
+    visible = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
+    args = (q, *cache, table, visible)
+
+    fa3 = fa3_tree_expand.attend_and_merge_reference(
+        *args, out.clone(), natural.T.contiguous(), dim**-0.5
+    )
+    flashinfer = fa3_tree_expand.attend_and_merge_reference(
+        *args, out.clone(), base2.T, dim**-0.5, lse_scale=math.log(2.0)
+    )
+    torch.testing.assert_close(flashinfer, fa3)
+
+
+@pytest.mark.parametrize("draft_tokens,steps", [(32, 3), (8, 1), (64, 5)])
+def test_the_benchmarks_trees_are_eagles_shape(draft_tokens, steps):
+    """--tree-steps: parents come before their children and no node is more than `steps`
+    below the root, so a verify row sees at most steps + 1 draft tokens."""
+    parents = bench_verify_attention.random_tree(draft_tokens, steps, seed=draft_tokens)
+    assert len(parents) == draft_tokens and parents[0] == -1
+    depth = [0]
+    for j, parent in enumerate(parents[1:], start=1):
+        assert 0 <= parent < j
+        depth.append(depth[parent] + 1)
+    assert max(depth) == steps  # 31 nodes over three levels reach the third
+    batch = bench_verify_attention.verify_batch(
+        2, 3, draft_tokens, HEADS, KV_HEADS, DIM, dev="cpu"
+    )
+    inputs = fa3_cascade.cascade_inputs(
+        bench_verify_attention.with_tree_mask(batch, parents)
+    )
+    assert inputs.expand.lens.max() == steps + 1
+    assert inputs.expand.lens.tolist() == [d + 1 for d in depth] * 2

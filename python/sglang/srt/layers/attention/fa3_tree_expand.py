@@ -13,7 +13,9 @@ Here one small program per (draft row, KV head) reads the row's visible slots fr
 page table, attends its GQA group of query heads to them, and merges the result into the
 prefix pass's output in place, reading FA3's LSE where it lies ([heads, rows]). The keys and
 values are read from the KV cache by slot, so any page size serves (the expand page table
-holds slots, as FA3's expand pass reads them through pages of one token).
+holds slots, as FA3's expand pass reads them through pages of one token). FlashInfer's tree
+verify runs the same split (flashinfer_tree_cascade.py): its prefix pass's LSE is base 2 and
+[rows, heads], read as a transposed view and scaled by `lse_scale`.
 
 `serves` says which calls this covers (bf16 / fp16 KV without scales, no logit soft-cap, no
 sliding window, no attention sinks, FA3's LSE); the rest keep FA3's expand pass, as does
@@ -72,6 +74,7 @@ def attend_and_merge(
     out: torch.Tensor,
     lse: torch.Tensor,
     sm_scale: float,
+    lse_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attend each row of `q` to its visible draft slots and merge into `out`, in place.
 
@@ -79,8 +82,10 @@ def attend_and_merge(
     last two dims are [kv_heads, head_dim] (pages are viewed as slots); page_table: [>= rows,
     width] int32, row r's first num_visible[r] entries are the slots row r sees;
     num_visible: [>= rows] int32; out: [rows, heads, head_dim], the prefix pass's output;
-    lse: [heads, rows] float32, the prefix pass's natural-log LSE as FA3 returns it.
-    Returns `out`, now the attention over the prefix and the visible draft tokens together.
+    lse: [heads, rows] float32, the prefix pass's LSE (any strides: FlashInfer's [rows, heads]
+    passes as its transposed view); lse_scale turns it into a natural log (1 for FA3's, ln 2
+    for FlashInfer's base-2 LSE). Returns `out`, now the attention over the prefix and the
+    visible draft tokens together.
     """
     rows, heads, head_dim = q.shape
     kv_heads = key_cache.shape[-2]
@@ -108,6 +113,7 @@ def attend_and_merge(
         lse,
         lse.stride(1),
         lse.stride(0),
+        lse_scale,
         sm_scale,
         GROUP=group,
         BLOCK_GROUP=triton.next_power_of_2(group),
@@ -135,9 +141,10 @@ def _attend_and_merge_kernel(
     out,  # [rows, heads, head_dim]: the prefix pass's output in, the merged output out
     out_row_stride,
     out_head_stride,
-    lse,  # the prefix pass's LSE, natural log
+    lse,  # the prefix pass's LSE: natural log once multiplied by lse_scale
     lse_row_stride,
     lse_head_stride,
+    lse_scale,
     sm_scale,
     GROUP: tl.constexpr,
     BLOCK_GROUP: tl.constexpr,
@@ -194,7 +201,9 @@ def _attend_and_merge_kernel(
         mask=head_ok,
         other=float("-inf"),
     )
-    prefix_lse = tl.where(prefix_lse == float("inf"), float("-inf"), prefix_lse)
+    prefix_lse = tl.where(
+        prefix_lse == float("inf"), float("-inf"), prefix_lse * lse_scale
+    )
     top = tl.maximum(prefix_lse, running_max)
     top = tl.where(top == float("-inf"), 0.0, top)
     prefix_weight = tl.exp(prefix_lse - top)
@@ -214,6 +223,7 @@ def attend_and_merge_reference(
     out: torch.Tensor,
     lse: torch.Tensor,
     sm_scale: float,
+    lse_scale: float = 1.0,
 ) -> torch.Tensor:
     """attend_and_merge in plain torch, a row at a time (same arguments, same in-place result)."""
     rows, heads, head_dim = q.shape
@@ -233,7 +243,7 @@ def attend_and_merge_reference(
         draft_lse = scores.logsumexp(dim=1)  # -inf where nothing is visible
         draft_out = torch.einsum("hn,nhd->hd", scores.softmax(dim=1), values)
         draft_out = torch.nan_to_num(draft_out)  # softmax over no keys
-        prefix_lse = lse[:, r].to(wide).clone()
+        prefix_lse = lse[:, r].to(wide) * lse_scale
         prefix_lse[prefix_lse == float("inf")] = float("-inf")
         weights = torch.stack([prefix_lse, draft_lse]).softmax(dim=0)  # [2, heads]
         merged[r] = (
