@@ -111,6 +111,9 @@ KERNEL_AB = {
     # FA3's own expand pass and merge_state_v2 in its tree attention (fa3_tree_expand.py
     # does both in one triton launch by default): "tree-fa3-expand@fa3".
     "fa3-expand": {"SGLANG_FA3_TREE_EXPAND": "0"},
+    # FlashInfer's masked paged prefill for a tree verify (flashinfer_tree_cascade.py runs an
+    # unmasked prefix pass and a triton merge by default): "tree-masked-verify@flashinfer".
+    "masked-verify": {"SGLANG_FLASHINFER_TREE_CASCADE": "0"},
 }
 for _suffix, _env in KERNEL_AB.items():
     CONFIGS[f"chain-{_suffix}"] = (

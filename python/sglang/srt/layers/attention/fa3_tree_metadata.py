@@ -18,7 +18,7 @@ Every replay's page-table copy, the chain draft decode's too, stays within a row
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -85,14 +85,15 @@ def fill_tree_verify_expand(
     num_draft_tokens: int,
     page_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
 ) -> None:
     """Write the expand metadata of `seq_lens.numel()` requests in place.
 
     page_table: [bs * num_draft_tokens, num_draft_tokens] visible draft slots first;
     cache_seqlens: [bs * num_draft_tokens] how many each row sees; cu_seqlens_k: its cumsum,
-    with a leading 0. prefix_cu_seqlens: [bs + 1], 0 then the cumsum of seq_lens (what the
-    prefix metadata's cu_seqlens_k holds)."""
+    with a leading 0, for FA3's expand pass (None: not written). prefix_cu_seqlens:
+    [bs + 1], 0 then the cumsum of seq_lens (what the prefix metadata's cu_seqlens_k holds).
+    """
     num_rows = seq_lens.numel() * num_draft_tokens
     _tree_verify_expand_kernel[(num_rows,)](
         custom_mask,
@@ -108,7 +109,10 @@ def fill_tree_verify_expand(
         D=num_draft_tokens,
         BLOCK_D=triton.next_power_of_2(num_draft_tokens),
     )
-    torch.cumsum(cache_seqlens[:num_rows], dim=0, out=cu_seqlens_k[1 : num_rows + 1])
+    if cu_seqlens_k is not None:
+        torch.cumsum(
+            cache_seqlens[:num_rows], dim=0, out=cu_seqlens_k[1 : num_rows + 1]
+        )
 
 
 def _fill_prefix(

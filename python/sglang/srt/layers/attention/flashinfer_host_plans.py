@@ -68,21 +68,28 @@ class FixedWidthIndptrs:
     max_kv_len: int
 
 
-def fixed_width_kv_lens(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+def fixed_width_kv_lens(
+    seq_lens: torch.Tensor, width: int, min_kv_len: Optional[int] = None
+) -> torch.Tensor:
     """[bs]: KV rows of each request, given seq_lens that already count the `width` rows.
     CUDA-graph padding requests carry a smaller placeholder, lifted to `width` so that none
-    has fewer KV rows than query rows."""
-    return seq_lens.clamp(min=width)
+    has fewer KV rows than query rows; or to min_kv_len where the KV rows do not count the
+    query rows (a tree cascade's prefix pass, whose rows attend unmasked to the prefix).
+    """
+    return seq_lens.clamp(min=width if min_kv_len is None else min_kv_len)
 
 
-def fixed_width_indptrs(kv_lens_cpu: torch.Tensor, width: int) -> FixedWidthIndptrs:
+def fixed_width_indptrs(
+    kv_lens_cpu: torch.Tensor, width: int, min_kv_len: Optional[int] = None
+) -> FixedWidthIndptrs:
     """Index pointers for `width` query rows per request over kv_lens_cpu [bs] KV rows, each
-    lifted to at least `width` (fixed_width_kv_lens).
+    lifted to at least `width`, or min_kv_len (fixed_width_kv_lens).
 
     They are planned between two CUDA-graph replays, on the host's critical path: numpy on
     the host's copy of the lengths, a few microseconds where a dozen torch ops on small CPU
     tensors cost tens each."""
-    kv_lens = np.maximum(kv_lens_cpu.numpy(), width).astype(np.int64)
+    floor = width if min_kv_len is None else min_kv_len
+    kv_lens = np.maximum(kv_lens_cpu.numpy(), floor).astype(np.int64)
     bs = kv_lens.shape[0]
     mask_bits = width * kv_lens
     table = np.zeros((5, bs + 1), dtype=np.int64)
@@ -421,14 +428,18 @@ def plan_fixed_width(
     kv_indices_buf: Optional[torch.Tensor],
     custom_mask: Optional[torch.Tensor] = None,
     host_lens_are_bounds: bool = False,
+    min_kv_len: Optional[int] = None,
 ) -> None:
     """Plan `wrapper` (a BatchPrefillWithPagedKVCacheWrapper over per-token KV slots) for
     `width` query rows per request. kv_lens [bs] (device) and kv_lens_cpu [bs] (host) hold the
     same KV lengths, the query rows included, or with host_lens_are_bounds, kv_lens_cpu holds
     an upper bound of each. With custom_mask (a tree verify) attention follows the mask, else
-    it is causal. kv_indices_buf: the CUDA graph's slot buffer, or None (eager)."""
-    indptrs = fixed_width_indptrs(kv_lens_cpu, width)
-    device_kv_lens = fixed_width_kv_lens(kv_lens, width)
+    it is causal, or, where the run asks, unmasked (a tree cascade's prefix pass: KV lengths
+    without the query rows, min_kv_len 1, fixed_width_kv_lens). kv_indices_buf: the CUDA
+    graph's slot buffer, or None (eager). Leaves the device's cumsum of the (lifted) KV
+    lengths in kv_indptr_buf[: bs + 1]."""
+    indptrs = fixed_width_indptrs(kv_lens_cpu, width, min_kv_len)
+    device_kv_lens = fixed_width_kv_lens(kv_lens, width, min_kv_len)
     num_kv_rows = int(indptrs.kv_indptr[-1])
     if not host_lens_are_bounds:
         kv_indices = build_kv_indices(
