@@ -48,6 +48,16 @@ def test_kv_lens_lift_padding_placeholders_to_the_width():
     assert fixed_width_kv_lens(torch.tensor([1, 40, 8, 3]), 8).tolist() == [8, 40, 8, 8]
 
 
+def test_a_prefix_pass_lifts_padding_to_one_kv_row_only():
+    """A cascade's prefix pass (KV rows without the query rows): a prefix shorter than the
+    width keeps its length, on the device and on the host."""
+    lens = torch.tensor([1, 40, 3, 0])
+    assert fixed_width_kv_lens(lens, 8, min_kv_len=1).tolist() == [1, 40, 3, 1]
+    got = fixed_width_indptrs(lens, 8, min_kv_len=1)
+    assert got.kv_indptr.tolist() == [0, 1, 41, 44, 45]
+    assert got.qo_indptr.tolist() == [0, 8, 16, 24, 32] and got.max_kv_len == 40
+
+
 NAMES = [
     "test_causal_draft_extend_plan[1-4]",
     "test_causal_draft_extend_plan[5-8]",

@@ -222,9 +222,9 @@ class TreeCascade:
         host_lens_are_bounds: bool,
     ) -> None:
         """plan_prefix_pass for a verify of spec_info (EAGLE's: custom_mask, draft_token_num,
-        positions of the real requests' rows, None at a capture); updater: the backend's prefill indices
-        updater (heads, dtypes, req_to_token). kv_indices_buf: a CUDA graph's slot buffer
-        (capture or replay) or None (eager)."""
+        positions of the real requests' rows, None at a capture); updater: the backend's
+        prefill indices updater (heads, dtypes, req_to_token). kv_indices_buf: a CUDA
+        graph's slot buffer (capture or replay) or None (eager)."""
         width = spec_info.draft_token_num
         rows = seq_lens.shape[0] * width
         graphed = kv_indices_buf is not None
