@@ -16,6 +16,7 @@ from sglang.srt.layers.attention.flashinfer_backend import (
     DecodeMetadata,
     FlashInferAttnBackend,
 )
+from sglang.srt.layers.attention.flashinfer_tree_cascade import TreeCascade
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 
@@ -35,6 +36,7 @@ def bare_backend() -> FlashInferAttnBackend:
         indices_updater_decode=RecordingUpdater(),
         decode_split_tile_size=None,
         forward_metadata=None,
+        tree_cascade=TreeCascade(serves=False),
     )
     return backend
 
