@@ -162,9 +162,16 @@ def attend(
 ) -> torch.Tensor:
     """One layer's tree verify: q [rows, heads, head_dim] over the prefix (wrapper, planned
     by plan_prefix_pass) and the visible draft tokens; key_buffer / value_buffer: the layer's
-    KV cache, [slots, kv_heads, head_dim]. Returns [rows, heads, head_dim]."""
-    out, lse = wrapper.forward_return_lse(
-        q, (key_buffer, value_buffer), causal=False, sm_scale=sm_scale
+    KV cache, [slots, kv_heads, head_dim]. Returns [rows, heads, head_dim].
+
+    The output is allocated uninitialised: FlashInfer's run zero-fills the one it allocates
+    (a fill kernel a layer), and every row here has at least one prefix row to attend
+    (plan_prefix_pass), so its kernel writes every element."""
+    # What forward_return_lse records before its run (the plan recorded the rest).
+    wrapper._causal = False
+    wrapper._sm_scale = sm_scale
+    out, lse = wrapper.run(
+        q, (key_buffer, value_buffer), out=torch.empty_like(q), return_lse=True
     )
     return fa3_tree_expand.attend_and_merge(
         q,
