@@ -15,7 +15,11 @@ Loads are bench_e2e's --mixed-load (REQUESTS:RAMP_SECONDS[:LONGxTOKENS]), or its
 sizes as bench_e2e runs them (--repeats batches of each size in turn, one policy throughout).
 With --seeds, each request's accepted tokens in a step are a random draw around the shape's
 measured mean, as on a GPU, where they are what the policy learns accept lengths from; the
-table then gives the policy's worst and mean ratio over the seeds.
+table then gives the policy's worst and mean ratio over the seeds. With --step-noise SIGMA each
+step also takes 1 + SIGMA x |N(0, 1)| times its measured cost (a step waits on the host or a
+compile at times, and never does less than its work), for every config, and the policy learns
+from those times; --confirm-replace prices a shape's provisional point by its second step
+alone, as StepCostTable did before it kept the cheaper of the two.
 """
 
 from __future__ import annotations
@@ -100,6 +104,15 @@ def binomial_draws(costs: MeasuredCosts, rng: random.Random) -> AcceptDraw:
     return draw
 
 
+# What a step takes, given what it costs: the measured seconds, or those with noise.
+StepNoise = Callable[[float], float]
+
+
+def one_sided_noise(sigma: float, rng: random.Random) -> StepNoise:
+    """A step takes 1 + sigma x |N(0, 1)| times its cost."""
+    return lambda seconds: seconds * (1 + sigma * abs(rng.gauss(0.0, 1.0)))
+
+
 def replay(
     costs: MeasuredCosts,
     delays: list[float],
@@ -107,10 +120,11 @@ def replay(
     choose: Callable[[int], Shape],
     observe: Optional[Callable[[Shape, int, float, list[float]], None]] = None,
     draw: Optional[AcceptDraw] = None,
+    noise: Optional[StepNoise] = None,
 ) -> Replay:
     """Decode the load step by step: each step runs choose(bs) on every request present, costs
-    what the table says, and commits to each request the shape's accept length (or, with
-    draw, a draw of it per request)."""
+    what the table says (with noise, what noise makes of it), and commits to each request the
+    shape's accept length (or, with draw, a draw of it per request)."""
     arrivals = sorted(zip(delays, tokens))
     left: dict[int, float] = {}
     now, arrived, finished, steps = 0.0, 0, 0, {}
@@ -124,6 +138,8 @@ def replay(
         bs = len(left)
         shape = choose(bs)
         seconds = costs.seconds(shape, bs)
+        if noise is not None:
+            seconds = noise(seconds)
         now += seconds
         steps[shape.label] = steps.get(shape.label, 0) + 1
         accepted = [
@@ -140,10 +156,11 @@ def replay(
     return Replay(sum(tokens) / now, steps, now)
 
 
-def server_policy(shapes: list[Shape]) -> ShapePolicy:
+def server_policy(shapes: list[Shape], confirm_cheaper: bool = True) -> ShapePolicy:
     """The policy as a server starts it: no step costs given, first shape first."""
     config = PolicyConfig(shapes=tuple(shapes))
-    return ShapePolicy(config, StepCostTable({}, config.ema_alpha), shapes[0])
+    table = StepCostTable({}, config.ema_alpha, confirm_cheaper=confirm_cheaper)
+    return ShapePolicy(config, table, shapes[0])
 
 
 def policy_observer(policy: ShapePolicy):
@@ -160,11 +177,14 @@ def replay_policy(
     delays: list[float],
     tokens: list[int],
     draw: Optional[AcceptDraw] = None,
+    noise: Optional[StepNoise] = None,
+    confirm_cheaper: bool = True,
 ) -> Replay:
     """The policy as a server runs it, learning the cost and accept length of each step it
     runs."""
-    policy = server_policy(shapes)
-    return replay(costs, delays, tokens, policy.choose, policy_observer(policy), draw)
+    policy = server_policy(shapes, confirm_cheaper)
+    observe = policy_observer(policy)
+    return replay(costs, delays, tokens, policy.choose, observe, draw, noise)
 
 
 def compare(
@@ -173,14 +193,20 @@ def compare(
     delays: list[float],
     tokens: list[int],
     draw: Optional[AcceptDraw] = None,
+    noise: Optional[StepNoise] = None,
+    confirm_cheaper: bool = True,
 ) -> dict[str, Replay]:
     """Each fixed shape of the set, then "policy"."""
     runs = {
-        s.label: replay(costs, delays, tokens, lambda bs, s=s: s, draw=draw)
+        s.label: replay(
+            costs, delays, tokens, lambda bs, s=s: s, draw=draw, noise=noise
+        )
         for s in shapes
         if s in costs.step_seconds
     }
-    runs["policy"] = replay_policy(costs, shapes, delays, tokens, draw)
+    runs["policy"] = replay_policy(
+        costs, shapes, delays, tokens, draw, noise, confirm_cheaper
+    )
     return runs
 
 
@@ -191,27 +217,31 @@ def compare_batch_sizes(
     repeats: int,
     max_new_tokens: int,
     draw: Optional[AcceptDraw] = None,
+    noise: Optional[StepNoise] = None,
+    confirm_cheaper: bool = True,
 ) -> dict[str, dict[int, float]]:
     """tok/s by config and batch size on bench_e2e's fixed-size load: at each size in turn,
     one untimed batch of bs requests of max_new_tokens each (bench_e2e's warm-up round; only
     the policy learns from it) and `repeats` timed ones. One policy runs them all, so what it
     learnt at one size is what it starts the next with, as in an engine."""
     fixed = [s for s in shapes if s in costs.step_seconds]
-    policy = server_policy(shapes)
+    policy = server_policy(shapes, confirm_cheaper)
     observe = policy_observer(policy)
     result: dict[str, dict[int, float]] = {s.label: {} for s in fixed}
     result["policy"] = {}
     for bs in batch_sizes:
         delays, tokens = [0.0] * bs, [max_new_tokens] * bs
         runs: dict[str, list[Replay]] = {label: [] for label in result}
-        replay(costs, delays, tokens, policy.choose, observe, draw)  # untimed
+        replay(costs, delays, tokens, policy.choose, observe, draw, noise)  # untimed
         for _ in range(repeats):
             for s in fixed:
                 runs[s.label].append(
-                    replay(costs, delays, tokens, lambda b, s=s: s, draw=draw)
+                    replay(
+                        costs, delays, tokens, lambda b, s=s: s, draw=draw, noise=noise
+                    )
                 )
             runs["policy"].append(
-                replay(costs, delays, tokens, policy.choose, observe, draw)
+                replay(costs, delays, tokens, policy.choose, observe, draw, noise)
             )
         for label, replays in runs.items():
             seconds = sum(r.seconds for r in replays)
@@ -255,6 +285,18 @@ def main() -> None:
         default=0,
         help="draw each request's accepted tokens, over this many seeds (0: the mean)",
     )
+    parser.add_argument(
+        "--step-noise",
+        type=float,
+        default=0.0,
+        metavar="SIGMA",
+        help="each step takes 1 + SIGMA x |N(0, 1)| times its cost (0: no noise)",
+    )
+    parser.add_argument(
+        "--confirm-replace",
+        action="store_true",
+        help="a provisional price is replaced by its second step (the rule before)",
+    )
     parser.add_argument("--tree", default="16,3,32")
     parser.add_argument(
         "--policy-shapes", default=" ".join(["16,3,32", "4,3,8", "1,3,4", "none"])
@@ -266,26 +308,42 @@ def main() -> None:
     missing = [s.label for s in shapes if s not in costs.step_seconds]
     if missing:
         parser.error(f"--rows has no fixed-batch rows of {missing}")
-    draws = (
-        [None]
-        if not args.seeds
-        else [binomial_draws(costs, random.Random(seed)) for seed in range(args.seeds)]
-    )
+    seeds = range(max(args.seeds, 1))
+    draws = [
+        binomial_draws(costs, random.Random(seed)) if args.seeds else None
+        for seed in seeds
+    ]
+    noises = [
+        (
+            one_sided_noise(args.step_noise, random.Random(1000 + seed))
+            if args.step_noise
+            else None
+        )
+        for seed in seeds
+    ]
+    confirm_cheaper = not args.confirm_replace
     if args.batch_sizes:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
         print_batch_sizes(
             [
                 compare_batch_sizes(
-                    costs, shapes, sizes, args.repeats, args.max_new_tokens, draw
+                    costs,
+                    shapes,
+                    sizes,
+                    args.repeats,
+                    args.max_new_tokens,
+                    draw,
+                    noise,
+                    confirm_cheaper,
                 )
-                for draw in draws
+                for draw, noise in zip(draws, noises)
             ]
         )
         return
     load = bench_e2e.MixedLoad.parse(args.mixed_load)
     delays, tokens = load.arrivals(args.max_new_tokens)
-    for draw in draws:
-        runs = compare(costs, shapes, delays, tokens, draw)
+    for draw, noise in zip(draws, noises):
+        runs = compare(costs, shapes, delays, tokens, draw, noise, confirm_cheaper)
         best_label, best = max(
             ((k, r) for k, r in runs.items() if k != "policy"),
             key=lambda kv: kv[1].tok_per_s,

@@ -70,6 +70,29 @@ def test_replay_decodes_every_token_of_every_request():
     assert run.tok_per_s == pytest.approx(20 / (1.0 + 4 * 3.04e-3))
 
 
+def test_step_noise_only_ever_makes_a_step_dearer():
+    noise = policy_sim.one_sided_noise(0.2, random.Random(0))
+    taken = [noise(4.0e-3) for _ in range(400)]
+    assert min(taken) >= 4.0e-3
+    # 1 + 0.2 x E|N(0, 1)|: about 1.16 times the cost on average.
+    assert sum(taken) / len(taken) == pytest.approx(4.0e-3 * 1.16, rel=0.03)
+    costs = policy_sim.measured_costs(bench_rows())
+    plain = policy_sim.replay(costs, [0.0], [10], lambda bs: CHAIN)
+    noisy = policy_sim.replay(costs, [0.0], [10], lambda bs: CHAIN, noise=noise)
+    assert noisy.steps_by_shape == plain.steps_by_shape
+    assert noisy.seconds > plain.seconds
+
+
+@pytest.mark.parametrize("confirm_cheaper,price", [(True, 3.92e-3), (False, 4.35e-3)])
+def test_the_servers_policy_confirms_a_price_as_told(confirm_cheaper, price):
+    """--confirm-replace: the server's policy before a provisional point kept the cheaper
+    of its two steps."""
+    policy = policy_sim.server_policy([TREE, CHAIN], confirm_cheaper)
+    for seconds in (3.92e-3, 4.35e-3):
+        policy.observe_step_time(TREE, 16, seconds)
+    assert policy.costs.seconds(TREE, 16) == price
+
+
 def test_the_policy_beats_every_fixed_shape_where_the_load_spends_time_at_both_ends():
     costs = policy_sim.measured_costs(bench_rows())
     delays, tokens = bench_e2e.MixedLoad.parse("64:0.1:4x1024").arrivals(128)

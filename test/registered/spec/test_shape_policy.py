@@ -275,6 +275,28 @@ def test_the_first_believed_step_at_a_size_is_replaced_by_the_next():
     assert table.seconds(NARROW, 4) == pytest.approx(0.8 * 5.94e-3 + 0.2 * 5.8e-3)
 
 
+def test_a_probes_dearer_second_step_does_not_price_the_shape():
+    """A 1.21B policy trace (build a89db7b0, bs 16, contexts near 240): the narrow tree's
+    price probe ran 4.29 ms (its first step after the switch, not timed by the controller),
+    3.92 and 4.35; the third replaced the second's provisional point, and at 4.35 against a
+    steady 3.4-3.9 the narrow tree lost to the wide tree for a whole run. A provisional point
+    confirmed at a near context keeps the cheaper of its two steps; later steps are smoothed
+    as before, and a step at a context not near still replaces it."""
+    table = StepCostTable({}, ema_alpha=0.2)
+    table.observe(NARROW, 16, 3.92e-3, context=237.9)
+    assert table.provisional(NARROW, 16)
+    table.observe(NARROW, 16, 4.35e-3, context=240.9)
+    assert table.confirmed(NARROW, 16)
+    assert table.seconds(NARROW, 16) == 3.92e-3
+    table.observe(NARROW, 16, 4.0e-3, context=250.0)  # warm steps: the EMA again
+    assert table.seconds(NARROW, 16) == pytest.approx(0.8 * 3.92e-3 + 0.2 * 4.0e-3)
+    # A dearer second step at a context not near is what the shape costs there.
+    far = StepCostTable({}, ema_alpha=0.2)
+    far.observe(CHAIN, 16, 3.0e-3, context=100.0)
+    far.observe(CHAIN, 16, 4.4e-3, context=900.0)
+    assert far.seconds(CHAIN, 16) == 4.4e-3
+
+
 def host_bound_table_after_a_growing_batch() -> StepCostTable:
     """A 1.21B policy trace (build cd637d58, H200, the policy engine run first): device
     seconds of the chain and the narrow tree on a batch growing 1 -> 48. Each shape's first

@@ -184,14 +184,16 @@ class StepCostTable:
     by the first step the table believes of a shape at a batch size (its first step there, or
     the next where the first was left out) is provisional: a one-off can stay under
     ONE_OFF_RATIO (the first replay of a CUDA graph took 3.4x a warm step), the step after a
-    compile is often still slower than the warm ones, and the next step there replaces the
-    point instead of moving it by the EMA, which would keep a price probe's few steps dear.
-    Until then it is an upper bound, not an estimate: where the shape's other points price
-    that batch size lower, they do. A shape is often left on its first step at a size (the
-    batch grew past it), and a one-off trusted there would price the shape dear at that size,
-    and at every size extrapolated from it, for as long as it does not run there again, which
-    its price then prevents; a price that is too low instead runs the shape, and its steps
-    correct it.
+    compile is often still slower than the warm ones, and the next step there (at a near
+    context) confirms the cheaper of the two instead of moving the point by the EMA, which would
+    keep a price probe's few steps dear: either step may have waited on something else, neither
+    did less than the shape's work, and a probe's dearer step standing alone would keep the
+    shape out until its next probe. Until then the point is an upper bound, not an estimate:
+    where the shape's other points price that batch size lower, they do. A shape is often left
+    on its first step at a size (the batch grew past it), and a one-off trusted there would
+    price the shape dear at that size, and at every size extrapolated from it, for as long as it
+    does not run there again, which its price then prevents; a price that is too low instead
+    runs the shape, and its steps correct it.
 
     A step's cost also grows with its requests' contexts (the KV its attention reads): over
     a run of 1024-token replies the chain's step at bs 48 went from 2.9 to 4.5 ms. A point
@@ -217,9 +219,14 @@ class StepCostTable:
         points: Mapping[Shape, Mapping[int, float]],
         ema_alpha: float,
         prior: Callable[[Shape, int], float] = prior_step_cost,
+        confirm_cheaper: bool = True,
     ):
         self._points: dict[Shape, dict[int, float]] = {}
         self._ema_alpha = ema_alpha
+        # Whether a provisional point's second step confirms the cheaper of the two (steps
+        # timed as device spans, which no step's work undercuts) or replaces it (periods: a
+        # first step after another forward is charged its span, less than a period).
+        self._confirm_cheaper = confirm_cheaper
         self._prior = prior
         # Seconds per prior unit of every point, and their median (None: not computed).
         self._units: dict[tuple[Shape, int], float] = {}
@@ -369,16 +376,21 @@ class StepCostTable:
         # Replace a point set by a first step, one far above this step (a one-off set it), or
         # with a believed slow streak; otherwise the EMA smooths the shape's warm steps.
         measured_at = self._contexts.get((shape, bs))
+        provisional = point is not None and bs in self._provisional.get(shape, ())
+        context_near = _context_near(measured_at, context)
         replace = (
             point is None
             or slow
-            or bs in self._provisional.get(shape, ())
+            or provisional
             or seconds * self.ONE_OFF_RATIO < point
-            or not _context_near(measured_at, context)
+            or not context_near
         )
         if not replace:
             a = self._ema_alpha
             seconds = (1 - a) * point + a * seconds
+        elif self._confirm_cheaper and provisional and context_near and not slow:
+            # A provisional point confirmed: the cheaper of its two steps (class docstring).
+            seconds = min(point, seconds)
         self._set(shape, bs, seconds)
         if context is not None:
             self._contexts[(shape, bs)] = context

@@ -579,7 +579,11 @@ class ShapeController:
         shapes = tuple(s for s in config.policy.shapes if s.speculates)
         # Without given costs the table starts empty: the prior, in the units of the first
         # measured step, until steps of each shape and batch size are measured.
-        costs = StepCostTable(config.step_costs or {}, config.policy.ema_alpha)
+        costs = StepCostTable(
+            config.step_costs or {},
+            config.policy.ema_alpha,
+            confirm_cheaper=config.step_time == SPAN,
+        )
         self.policy = ShapePolicy(config.policy, costs, initial)
         # Given costs stay as given (deterministic across ranks); otherwise steps are timed.
         self._clock = None
