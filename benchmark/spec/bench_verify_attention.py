@@ -186,13 +186,22 @@ def flashinfer_row(args: dict, expected: torch.Tensor) -> dict:
     inputs = fa3_cascade.cascade_inputs(args)
     verify = flashinfer_verify.flashinfer_verify(inputs, args["custom_mask"])
     row = {}
-    for name, fn in (
+    checked = [
         ("flashinfer_us", verify.masked_pass),
         ("flashinfer_cascade_us", verify.cascade),
-    ):
+        ("flashinfer_graph_cascade_us", verify.graph_cascade),
+    ]
+    checked += [
+        (f"flashinfer_rows{n}_cascade_us", fn)
+        for n, fn in verify.rows_split_cascade.items()
+    ]
+    for name, fn in checked:
         torch.testing.assert_close(fn(), expected, atol=2e-2, rtol=2e-2)
         row[name] = time_graphed_us(fn)
     row["flashinfer_prefix_pass_us"] = time_graphed_us(verify.prefix_pass)
+    row["flashinfer_graph_prefix_pass_us"] = time_graphed_us(verify.graph_prefix_pass)
+    for n, fn in verify.rows_split_prefix_pass.items():
+        row[f"flashinfer_rows{n}_prefix_pass_us"] = time_graphed_us(fn)
     return row
 
 
@@ -277,6 +286,18 @@ def main() -> None:
                         f"expand {r['flashinfer_cascade_us']:.1f}); flashinfer / split "
                         f"{r['flashinfer_us'] / split:.2f}x, cascade / masked "
                         f"{r['flashinfer_cascade_us'] / r['flashinfer_us']:.2f}x",
+                        flush=True,
+                    )
+                    rows_split = ", ".join(
+                        f"{n} pieces {r[f'flashinfer_rows{n}_cascade_us']:.1f} (prefix "
+                        f"pass {r[f'flashinfer_rows{n}_prefix_pass_us']:.1f})"
+                        for n in (2, 4, 8)
+                        if f"flashinfer_rows{n}_cascade_us" in r
+                    )
+                    print(
+                        f"      flashinfer graphed cascade {r['flashinfer_graph_cascade_us']:.1f}"
+                        f" us (prefix pass {r['flashinfer_graph_prefix_pass_us']:.1f}); rows "
+                        f"split, unsplit KV: {rows_split}",
                         flush=True,
                     )
     if a.out:

@@ -203,3 +203,53 @@ def test_the_benchmarks_trees_are_eagles_shape(draft_tokens, steps):
     )
     assert inputs.expand.lens.max() == steps + 1
     assert inputs.expand.lens.tolist() == [d + 1 for d in depth] * 2
+
+
+@pytest.mark.parametrize("bs,prefix_len,draft,pieces", [(1, 7, 8, 8), (3, 5, 8, 2)])
+def test_a_row_split_prefix_pass_reads_each_requests_prefix_in_row_order(
+    bs, prefix_len, draft, pieces
+):
+    """rows_split_kv: sequence i is `draft // pieces` consecutive draft rows of request
+    i // pieces over that request's whole prefix, so the rows come out in the prefix pass's
+    order; attended in plain torch that way, they equal the prefix pass's attention."""
+    torch.manual_seed(bs)
+    batch = bench_verify_attention.verify_batch(
+        bs, prefix_len, draft, HEADS, KV_HEADS, DIM, dev="cpu"
+    )
+    inputs = fa3_cascade.cascade_inputs(batch)
+    kv = flashinfer_verify.rows_split_kv(inputs.prefix, pieces)
+
+    piece = draft // pieces
+    assert kv.qo_indptr.tolist() == list(range(0, bs * draft + 1, piece))
+    assert kv.kv_indptr.tolist() == list(
+        range(0, bs * pieces * prefix_len + 1, prefix_len)
+    )
+    group = HEADS // KV_HEADS
+
+    def attend(q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        keys = inputs.k_cache[slots.long(), 0].float().repeat_interleave(group, dim=1)
+        values = inputs.v_cache[slots.long(), 0].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * DIM**-0.5
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+    split = torch.cat(
+        [
+            attend(
+                inputs.q[kv.qo_indptr[i] : kv.qo_indptr[i + 1]],
+                kv.kv_indices[kv.kv_indptr[i] : kv.kv_indptr[i + 1]],
+            )
+            for i in range(bs * pieces)
+        ]
+    )
+    whole = torch.cat(
+        [
+            attend(
+                inputs.q[b * draft : (b + 1) * draft],
+                inputs.prefix.page_table[b, :prefix_len],
+            )
+            for b in range(bs)
+        ]
+    )
+    torch.testing.assert_close(split, whole)
+    with pytest.raises(ValueError, match="3 pieces do not divide 8"):
+        flashinfer_verify.rows_split_kv(inputs.prefix, 3)
