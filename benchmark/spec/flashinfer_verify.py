@@ -180,17 +180,16 @@ def flashinfer_verify(
     )
     prefix: PagedPass = inputs.prefix
     bs, prefix_len = prefix.page_table.shape
-    prefix_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-    unmasked = _planned_wrapper(
-        inputs,
-        prefix_workspace,
-        torch.arange(0, bs * prefix_len + 1, prefix_len, dtype=torch.int32, device=dev),
-        prefix.page_table.flatten(),
-        None,
-    )
+    # Each request's prefix slots, a sequence each: (kv_indptr, kv_indices).
     prefix_kv = (
         torch.arange(0, bs * prefix_len + 1, prefix_len, dtype=torch.int32, device=dev),
         prefix.page_table.flatten(),
+    )
+    unmasked = _planned_wrapper(
+        inputs,
+        torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev),
+        *prefix_kv,
+        None,
     )
     graphed = _planned_wrapper(
         inputs,
