@@ -114,6 +114,9 @@ KERNEL_AB = {
     # FlashInfer's masked paged prefill for a tree verify (flashinfer_tree_cascade.py runs an
     # unmasked prefix pass and a triton merge by default): "tree-masked-verify@flashinfer".
     "masked-verify": {"SGLANG_FLASHINFER_TREE_CASCADE": "0"},
+    # the cascade's prefix pass over whole rows, split-KV in graphs (it splits a small batch's
+    # rows into sequences of their own by default): "tree-whole-rows@flashinfer".
+    "whole-rows": {"SGLANG_FLASHINFER_TREE_ROW_PIECES": "1"},
 }
 for _suffix, _env in KERNEL_AB.items():
     CONFIGS[f"chain-{_suffix}"] = (

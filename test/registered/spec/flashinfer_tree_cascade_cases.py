@@ -83,19 +83,101 @@ def updater(req_to_token, heads=HEADS, kv_heads=KV_HEADS, dim=DIM):
     )
 
 
-def plan(tree_cascade, wrapper, verify, kv_indices_buf=None):
+def plan(tree_cascade, wrapper, verify, kv_indices_buf=None, row_buffers=None):
     bs = verify.seq_lens.shape[0]
+    if row_buffers is not None:
+        kv_indptr_buf = row_buffers.kv_indptr
+    else:
+        kv_indptr_buf = torch.zeros(bs * verify.spec_info.draft_token_num + 1).int()
     tree_cascade.plan(
         wrapper,
         updater(verify.req_to_token),
-        kv_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32),
+        kv_indptr_buf=kv_indptr_buf,
         req_pool_indices=verify.req_pool_indices,
         seq_lens=verify.seq_lens,
         seq_lens_cpu=verify.seq_lens.clone(),
         spec_info=verify.spec_info,
         kv_indices_buf=kv_indices_buf,
         host_lens_are_bounds=False,
+        row_buffers=row_buffers,
     )
+
+
+def expected_table(verify, bs, width):
+    return tree_verify_expand_reference(
+        verify.spec_info.custom_mask,
+        verify.seq_lens,
+        verify.req_to_token,
+        verify.req_pool_indices,
+        num_masked_rows=bs * width,
+        num_draft_tokens=width,
+    )
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_a_small_batchs_rows_are_split_into_sequences_over_the_whole_prefix(cuda_graph):
+    """bs 2 of 32 rows, 2 KV heads of 4 query heads, 64 SMs: each request's rows become 8
+    sequences of 4 (16 query rows a KV head, the smallest tile), each over the request's
+    whole prefix, planned unsplit; a graphed verify's wrapper points at the backend's longer
+    buffers. The expand table is the same as unsplit rows'."""
+    bs, width, pieces = 2, 32, 8
+    verify = make_verify(bs, width, seed=11)
+    tree_cascade = cascade.TreeCascade(serves=True, num_sms=64)
+    row_buffers, slots = None, None
+    if cuda_graph:
+        slots = torch.zeros(pieces * bs * POOL_LEN, dtype=torch.int32)
+        row_buffers = cascade.RowPieceBuffers(
+            qo_indptr=torch.zeros(65, dtype=torch.int32),
+            kv_indptr=torch.zeros(65, dtype=torch.int32),
+            last_page_len=torch.ones(64, dtype=torch.int32),
+        )
+        wrapper = RecordingWrapper(
+            True, kv_indptr_buf=row_buffers.kv_indptr[: bs + 1], kv_indices_buf=slots
+        )
+        wrapper._fixed_batch_size = bs
+    else:
+        wrapper = RecordingWrapper(cuda_graph=False)
+    plan(tree_cascade, wrapper, verify, kv_indices_buf=slots, row_buffers=row_buffers)
+
+    got = wrapper.planned
+    lens = verify.seq_lens.repeat_interleave(pieces).tolist()
+    assert got.qo_indptr.tolist() == list(range(0, bs * width + 1, width // pieces))
+    assert got.kv_indptr.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
+    expected_slots = torch.cat(
+        [
+            verify.req_to_token[r, :n]
+            for r, n in zip(verify.req_pool_indices.tolist(), verify.seq_lens.tolist())
+            for _ in range(pieces)
+        ]
+    )
+    assert torch.equal(got.kv_indices, expected_slots)
+    assert got.kwargs["disable_split_kv"] is True
+    if cuda_graph:
+        assert wrapper._fixed_batch_size == bs * pieces
+        assert wrapper._paged_kv_indptr_buf.numel() == bs * pieces + 1
+        assert wrapper._paged_kv_last_page_len_buf.numel() == bs * pieces
+    table, counts = expected_table(verify, bs, width)
+    assert torch.equal(tree_cascade.table.num_visible, counts)
+    for row, n in enumerate(counts.tolist()):
+        assert torch.equal(tree_cascade.table.page_table[row, :n], table[row, :n])
+
+
+def test_a_graph_too_wide_for_the_backends_buffers_keeps_its_rows_whole():
+    bs, width = 2, 32
+    verify = make_verify(bs, width, seed=12)
+    slots = torch.zeros(8 * bs * POOL_LEN, dtype=torch.int32)
+    row_buffers = cascade.RowPieceBuffers(  # room for 8 sequences, not 16
+        qo_indptr=torch.zeros(9, dtype=torch.int32),
+        kv_indptr=torch.zeros(9, dtype=torch.int32),
+        last_page_len=torch.ones(8, dtype=torch.int32),
+    )
+    wrapper = RecordingWrapper(
+        True, kv_indptr_buf=row_buffers.kv_indptr[: bs + 1], kv_indices_buf=slots
+    )
+    tree_cascade = cascade.TreeCascade(serves=True, num_sms=64)
+    plan(tree_cascade, wrapper, verify, kv_indices_buf=slots, row_buffers=row_buffers)
+    assert wrapper.planned.qo_indptr.tolist() == [0, 32, 64]
+    assert "disable_split_kv" not in wrapper.planned.kwargs
 
 
 @pytest.mark.parametrize("bs,width,padding", [(1, 8, 0), (3, 32, 0), (4, 16, 2)])
@@ -170,19 +252,22 @@ def attend_planned_prefix(q, k_slots, v_slots, planned, width):
         ].long()
         keys = k_slots[slots].repeat_interleave(group, dim=1)
         values = v_slots[slots].repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->qhk", q[b * width : (b + 1) * width], keys)
+        rows = q[planned.qo_indptr[b] : planned.qo_indptr[b + 1]]
+        scores = torch.einsum("qhd,khd->qhk", rows, keys)
         scores = scores * DIM**-0.5
         lses.append(scores.logsumexp(-1) / math.log(2.0))
         outs.append(torch.einsum("qhk,khd->qhd", scores.softmax(-1), values))
     return torch.cat(outs), torch.cat(lses)
 
 
-@pytest.mark.parametrize("bs,width", [(1, 8), (3, 16)])
-def test_the_cascade_attends_as_the_masked_verify(bs, width):
+@pytest.mark.parametrize("bs,width,num_sms", [(1, 8, 0), (3, 16, 0), (2, 16, 64)])
+def test_the_cascade_attends_as_the_masked_verify(bs, width, num_sms):
+    """num_sms 64: each request's rows as 4 sequences over its prefix (row_pieces)."""
     verify = make_verify(bs, width, seed=7 * bs)
     wrapper = RecordingWrapper(cuda_graph=False)
-    tree_cascade = cascade.TreeCascade(serves=True)
+    tree_cascade = cascade.TreeCascade(serves=True, num_sms=num_sms)
     plan(tree_cascade, wrapper, verify)
+    assert wrapper.planned.qo_indptr.numel() == bs * (4 if num_sms else 1) + 1
 
     gen = torch.Generator().manual_seed(bs)
     slots = verify.req_to_token.numel()

@@ -314,6 +314,36 @@ def test_an_unsplit_plan_is_made_once_per_graph_shape(
         assert disable_split_kv is once
 
 
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_a_fixed_partition_is_unsplit_and_sized_by_its_rows(cpu_flashinfer, cuda_graph):
+    """fixed_partition: the planner runs unsplit and as for an eager wrapper (the query
+    tile from the sequences' rows, no padded grid), once per graph shape of a CUDA-graph
+    wrapper (later plans refresh its buffers), every time eagerly."""
+    from sglang.srt.layers.attention.flashinfer_host_plans import (
+        HeadConfig,
+        plan_paged_prefill,
+    )
+
+    heads = HeadConfig(32, 8, 128, torch.bfloat16, torch.bfloat16)
+    bs, width = 16, 4  # four requests' 16 rows as four sequences each
+    wrapper = make_prefill_wrapper("fa2", cuda_graph, bs, kv_slots=bs * 800)
+    gen = torch.Generator().manual_seed(5)
+    for replay in range(3):
+        indptrs = fixed_width_indptrs(
+            torch.randint(1, 700, (bs,), generator=gen), width, min_kv_len=1
+        )
+        kv_indices = torch.arange(int(indptrs.kv_indptr[-1]), dtype=torch.int32)
+        plan_paged_prefill(
+            wrapper, heads, indptrs, width, kv_indices, fixed_partition=True
+        )
+        assert torch.equal(wrapper._paged_kv_indptr_buf, indptrs.kv_indptr)
+    calls = cpu_flashinfer.planner.calls
+    assert len(calls) == (1 if cuda_graph else 3)
+    for args in calls:
+        enable_cuda_graph, disable_split_kv = args[11], args[-2]
+        assert enable_cuda_graph is False and disable_split_kv is True
+
+
 def test_the_unsplit_plan_is_off_unless_the_env_says_1():
     from sglang.srt.layers.attention import flashinfer_host_plans as plans
 

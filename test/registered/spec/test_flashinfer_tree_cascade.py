@@ -22,8 +22,12 @@ NAMES = [
     "test_the_prefix_pass_plans_each_prefix_unmasked[3-32-0]",
     "test_the_prefix_pass_plans_each_prefix_unmasked[4-16-2]",
     "test_a_graph_replays_into_the_table_it_was_captured_with",
-    "test_the_cascade_attends_as_the_masked_verify[1-8]",
-    "test_the_cascade_attends_as_the_masked_verify[3-16]",
+    "test_a_small_batchs_rows_are_split_into_sequences_over_the_whole_prefix[False]",
+    "test_a_small_batchs_rows_are_split_into_sequences_over_the_whole_prefix[True]",
+    "test_a_graph_too_wide_for_the_backends_buffers_keeps_its_rows_whole",
+    "test_the_cascade_attends_as_the_masked_verify[1-8-0]",
+    "test_the_cascade_attends_as_the_masked_verify[3-16-0]",
+    "test_the_cascade_attends_as_the_masked_verify[2-16-64]",
     "test_a_capture_without_positions_shows_every_row_the_whole_block",
 ]
 # build_kv_indices' kernel bounds a loop by a one-element array (numpy < 2.5 only warns).
@@ -39,6 +43,55 @@ SERVED = dict(
     logit_caps=[0.0, 0.0],
     environ={},
 )
+
+
+LLAMA_8B_HEADS = dict(num_qo_heads=32, num_kv_heads=8)
+
+
+@pytest.mark.parametrize(
+    "bs,num_sms,pieces",
+    [
+        (1, 132, 8),  # 8 programs: 4 draft rows (16 query rows a KV head) a piece
+        (4, 132, 8),  # 32 -> 256 programs
+        (16, 132, 2),  # 128 -> 256
+        (17, 132, 1),  # 136: the GPU is full
+        (48, 132, 1),
+        (4, 0, 1),  # no SM count: never split
+    ],
+)
+def test_rows_are_split_while_the_batch_leaves_sms_idle(bs, num_sms, pieces):
+    assert (
+        cascade.row_pieces(
+            bs=bs, num_draft_tokens=32, num_sms=num_sms, environ={}, **LLAMA_8B_HEADS
+        )
+        == pieces
+    )
+
+
+def test_row_pieces_keep_a_tile_of_rows_and_divide_the_draft_tokens():
+    # 8 draft tokens x 4 query heads a KV head: two pieces of 16 query rows at most.
+    assert (
+        cascade.row_pieces(
+            bs=1, num_draft_tokens=8, num_sms=132, environ={}, **LLAMA_8B_HEADS
+        )
+        == 2
+    )
+    # 12 draft tokens: 2 pieces of 6 rows (24 query rows), not 4 of 3 (12).
+    assert (
+        cascade.row_pieces(
+            bs=1, num_draft_tokens=12, num_sms=132, environ={}, **LLAMA_8B_HEADS
+        )
+        == 2
+    )
+
+
+def test_row_pieces_from_the_env():
+    env = {cascade.ROW_PIECES_ENV: "1"}
+    kwargs = dict(bs=1, num_draft_tokens=32, num_sms=132, **LLAMA_8B_HEADS)
+    assert cascade.row_pieces(environ=env, **kwargs) == 1
+    assert cascade.row_pieces(environ={cascade.ROW_PIECES_ENV: "4"}, **kwargs) == 4
+    with pytest.raises(ValueError, match="divides --speculative-num-draft-tokens"):
+        cascade.row_pieces(environ={cascade.ROW_PIECES_ENV: "3"}, **kwargs)
 
 
 def test_on_unless_the_env_says_0():
@@ -85,11 +138,13 @@ def test_reads_each_attention_layers_soft_cap():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("row_split", [False, True], ids=["whole-rows", "row-split"])
 @pytest.mark.parametrize("bs,width,padding", [(1, 32, 0), (4, 8, 0), (16, 32, 3)])
-def test_matches_flashinfers_masked_verify_on_cuda(bs, width, padding):
+def test_matches_flashinfers_masked_verify_on_cuda(bs, width, padding, row_split):
     """The masked paged prefill as the backend plans it (plan_fixed_width with the tree's
     mask), and the cascade as it plans and runs it, on FlashInfer's kernels: the same rows.
-    Llama-3-8B's heads (32 / 8, dim 128)."""
+    Llama-3-8B's heads (32 / 8, dim 128); row-split: the GPU's SM count given, so the prefix
+    pass splits the rows of these small batches (row_pieces), unsplit KV."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import flashinfer_tree_cascade_cases as cases
@@ -113,7 +168,8 @@ def test_matches_flashinfers_masked_verify_on_cuda(bs, width, padding):
     q = torch.randn(rows, heads, dim, device=dev, generator=gen).bfloat16()
     updater = cases.updater(req_to_token, heads, kv_heads, dim)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-    indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=dev)
+    # As long as a backend's: room for each request's rows as sequences of their own.
+    indptr = torch.zeros(seq_lens.shape[0] * width + 1, dtype=torch.int32, device=dev)
 
     masked = BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
     plan_fixed_width(
@@ -133,7 +189,8 @@ def test_matches_flashinfers_masked_verify_on_cuda(bs, width, padding):
     prefix = BatchPrefillWithPagedKVCacheWrapper(
         torch.zeros(256 << 20, dtype=torch.uint8, device=dev), "NHD", backend="fa2"
     )
-    tree_cascade = cascade.TreeCascade(serves=True)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tree_cascade = cascade.TreeCascade(serves=True, num_sms=num_sms if row_split else 0)
     tree_cascade.plan(
         prefix,
         updater,

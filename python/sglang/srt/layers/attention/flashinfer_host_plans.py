@@ -225,6 +225,7 @@ def plan_paged_prefill(
     width: int,
     kv_indices: torch.Tensor,
     unsplit_once: bool = False,
+    fixed_partition: bool = False,
 ) -> None:
     """What wrapper.plan(qo_indptr, kv_indptr, kv_indices, ones, heads..., page_size=1,
     q_data_type, kv_data_type, non_blocking=True) does, with the host values it would derive
@@ -234,6 +235,13 @@ def plan_paged_prefill(
     size and width. Unsplit, FlashInfer's partition (PrefillSplitQOKVIndptr) does not depend on
     the KV lengths, and each graph wrapper keeps its own int workspace, so later plans of the
     same shape only refresh the buffers the captured kernels read.
+
+    fixed_partition: unsplit, and for a CUDA-graph wrapper planned once as unsplit_once is,
+    but partitioned as an eager plan would be: the query tile sized by the rows a sequence
+    has, not by the most the graph's batch could put in one, and no padded grid (the rows of
+    every replay are the capture's, so the grid is). For sequences of a few rows each (a
+    tree cascade's prefix pass with its rows split, flashinfer_tree_cascade) that is what
+    gives each program a tile of its rows and not of 128.
 
     FlashInfer's plan re-derives each request's KV length from the index pointers (four torch
     ops) and takes the longest query and KV lengths with Python's max over a tensor, one torch
@@ -245,6 +253,7 @@ def plan_paged_prefill(
     bs = indptrs.kv_lens.shape[0]
     last_page_len = torch.ones(bs, dtype=torch.int32)  # one token a page
     if not plans_from_host_lengths(wrapper):
+        split = {"disable_split_kv": True} if fixed_partition else {}
         wrapper.begin_forward(
             indptrs.qo_indptr,
             indptrs.kv_indptr,
@@ -257,10 +266,13 @@ def plan_paged_prefill(
             q_data_type=heads.q_data_type,
             kv_data_type=heads.kv_data_type,
             non_blocking=True,
+            **split,
         )
         return
     unsplit_once = (
-        unsplit_once and wrapper.is_cuda_graph_enabled and wrapper._backend == "fa2"
+        (unsplit_once or fixed_partition)
+        and wrapper.is_cuda_graph_enabled
+        and wrapper._backend == "fa2"
     )
     if unsplit_once and getattr(wrapper, "_unsplit_plan_shape", None) == (bs, width):
         _refresh_graph_buffers(wrapper, indptrs, kv_indices, last_page_len)
@@ -268,7 +280,14 @@ def plan_paged_prefill(
     total_num_rows = bs * width
     _record_batch_shape(wrapper, heads, indptrs, width)
     _place_plan_inputs(wrapper, indptrs, kv_indices, last_page_len, total_num_rows)
-    _run_compiled_plan(wrapper, heads, indptrs, total_num_rows, unsplit_once)
+    _run_compiled_plan(
+        wrapper,
+        heads,
+        indptrs,
+        total_num_rows,
+        unsplit_once or fixed_partition,
+        plan_for_graph=wrapper.is_cuda_graph_enabled and not fixed_partition,
+    )
     if unsplit_once:
         wrapper._unsplit_plan_shape = (bs, width)
     _record_attention_options(wrapper)
@@ -337,9 +356,12 @@ def _run_compiled_plan(
     indptrs: FixedWidthIndptrs,
     total_num_rows: int,
     unsplit: bool,
+    plan_for_graph: bool,
 ) -> None:
     """The compiled planner of the batch-prefill module for these types and head dims, called
-    with plan's arguments (split-KV off where `unsplit`); its answer is the plan."""
+    with plan's arguments (split-KV off where `unsplit`; plan_for_graph: the partition a CUDA
+    graph's varying lengths need, else the one an eager plan of these rows gets); its answer
+    is the plan."""
     from flashinfer.prefill import get_batch_prefill_module
 
     q_data_type, kv_data_type = heads.q_data_type, heads.kv_data_type
@@ -373,7 +395,7 @@ def _run_compiled_plan(
         heads.num_qo_heads,
         heads.num_kv_heads,
         1,  # page size
-        wrapper.is_cuda_graph_enabled,
+        plan_for_graph,
         heads.head_dim,
         heads.head_dim,
         False,  # causal (a draft extend's run asks for causal attention itself)
@@ -429,6 +451,7 @@ def plan_fixed_width(
     custom_mask: Optional[torch.Tensor] = None,
     host_lens_are_bounds: bool = False,
     min_kv_len: Optional[int] = None,
+    fixed_partition: bool = False,
 ) -> None:
     """Plan `wrapper` (a BatchPrefillWithPagedKVCacheWrapper over per-token KV slots) for
     `width` query rows per request. kv_lens [bs] (device) and kv_lens_cpu [bs] (host) hold the
@@ -437,7 +460,7 @@ def plan_fixed_width(
     it is causal, or, where the run asks, unmasked (a tree cascade's prefix pass: KV lengths
     without the query rows, min_kv_len 1, fixed_width_kv_lens). kv_indices_buf: the CUDA
     graph's slot buffer, or None (eager). Leaves the device's cumsum of the (lifted) KV
-    lengths in kv_indptr_buf[: bs + 1]."""
+    lengths in kv_indptr_buf[: bs + 1]. fixed_partition: plan_paged_prefill's."""
     indptrs = fixed_width_indptrs(kv_lens_cpu, width, min_kv_len)
     device_kv_lens = fixed_width_kv_lens(kv_lens, width, min_kv_len)
     num_kv_rows = int(indptrs.kv_indptr[-1])
@@ -451,7 +474,13 @@ def plan_fixed_width(
             kv_indices_buf,
         )
         plan_paged_prefill(
-            wrapper, heads, indptrs, width, kv_indices, unsplit_once=_UNSPLIT_PLAN
+            wrapper,
+            heads,
+            indptrs,
+            width,
+            kv_indices,
+            unsplit_once=_UNSPLIT_PLAN,
+            fixed_partition=fixed_partition,
         )
     else:
         _plan_from_bounds(
@@ -464,6 +493,7 @@ def plan_fixed_width(
             req_to_token,
             kv_indptr_buf,
             kv_indices_buf,
+            fixed_partition,
         )
     if custom_mask is None:
         return
@@ -494,6 +524,7 @@ def _plan_from_bounds(
     req_to_token: torch.Tensor,
     kv_indptr_buf: torch.Tensor,
     kv_indices_buf: Optional[torch.Tensor],
+    fixed_partition: bool = False,
 ) -> None:
     """plan_fixed_width's plan where indptrs come from bounds. FlashInfer's plan copies the
     host KV index pointer into the buffer its kernels read each request's KV length from, and
@@ -517,7 +548,13 @@ def _plan_from_bounds(
     else:
         kv_indices = kv_indices_buf[:num_kv_rows]
     plan_paged_prefill(
-        wrapper, heads, indptrs, width, kv_indices, unsplit_once=_UNSPLIT_PLAN
+        wrapper,
+        heads,
+        indptrs,
+        width,
+        kv_indices,
+        unsplit_once=_UNSPLIT_PLAN,
+        fixed_partition=fixed_partition,
     )
     build_kv_indices(
         req_to_token,
