@@ -342,6 +342,10 @@ def test_a_fixed_partition_is_unsplit_and_sized_by_its_rows(cpu_flashinfer, cuda
     for args in calls:
         enable_cuda_graph, disable_split_kv = args[11], args[-2]
         assert enable_cuda_graph is False and disable_split_kv is True
+    # sm90's planner takes no disable_split_kv: a graph wrapper of it plans for the graph.
+    sm90 = make_prefill_wrapper("fa3", True, bs, kv_slots=bs * 800)
+    plan_paged_prefill(sm90, heads, indptrs, width, kv_indices, fixed_partition=True)
+    assert cpu_flashinfer.planner.calls[-1][11] is True
 
 
 def test_the_unsplit_plan_is_off_unless_the_env_says_1():

@@ -269,6 +269,8 @@ def plan_paged_prefill(
             **split,
         )
         return
+    # fa2's planner alone takes disable_split_kv; sm90's plan as for CUDA graphs.
+    fixed_partition = fixed_partition and wrapper._backend == "fa2"
     unsplit_once = (
         (unsplit_once or fixed_partition)
         and wrapper.is_cuda_graph_enabled
