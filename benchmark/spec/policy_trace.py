@@ -24,6 +24,13 @@ its full size, and the device spans of its main shape by quarter of the run. A s
 grows with the context through a run; a first quarter dearer than other runs' says the host
 was slow then (a host-bound step's span waits for its launches).
 
+With --loads, one block per run of a mixed load (bench_e2e --mixed-load), which
+--runs cannot cut (its batch grows step by step): runs are cut where the host's clock
+shows the engine idle for more than --load-gap seconds. Each says its size at most, its
+seconds and tokens per second by the host's clock, its switches, its steps by shape, and
+the stretches of one shape with the sizes each began and ended at: a run of a mixed load
+is a few seconds, and which shapes the policy ran through its long tail is most of it.
+
 CPU only; reads plain or gzipped JSON lines (docs/benchmarks/*.jsonl.gz).
 """
 
@@ -294,6 +301,121 @@ def print_runs(runs: list[Run], min_steps: int = 8) -> None:
         )
 
 
+# Between two runs of a mixed load an engine side by side waits while the others run
+# theirs (seconds); inside a run the longest pause is a compile or a first replay (well
+# under a second).
+LOAD_GAP_S = 2.0
+
+
+@dataclass
+class Stretch:
+    """Consecutive result lines of one shape."""
+
+    shape: str
+    steps: int
+    first_bs: int
+    last_bs: int
+    end_s: float  # host seconds from the load's first result to this stretch's last
+
+
+@dataclass
+class Load:
+    """The result and switch lines of one run of a mixed load, in order."""
+
+    lines: list[dict]
+
+    @property
+    def results(self) -> list[dict]:
+        return [line for line in self.lines if "shape" in line]
+
+    @property
+    def switches(self) -> int:
+        return sum("switch" in line for line in self.lines)
+
+    @property
+    def max_bs(self) -> int:
+        return max(line["bs"] for line in self.results)
+
+    @property
+    def seconds(self) -> float:
+        results = self.results
+        return results[-1]["t"] - results[0]["t"]
+
+    def tokens_per_second(self) -> float | None:
+        """Tokens committed after the first result over the host's time from it to the
+        last (as Run.tokens_per_second); None for a run of one result."""
+        results = self.results
+        tokens = sum(line["bs"] * line["accept"] for line in results[1:])
+        return tokens / self.seconds if self.seconds > 0 else None
+
+    def stretches(self) -> list[Stretch]:
+        start = self.results[0]["t"]
+        out: list[Stretch] = []
+        for line in self.results:
+            if out and out[-1].shape == line["shape"]:
+                last = out[-1]
+                last.steps += 1
+                last.last_bs = line["bs"]
+                last.end_s = line["t"] - start
+            else:
+                out.append(
+                    Stretch(line["shape"], 1, line["bs"], line["bs"], line["t"] - start)
+                )
+        return out
+
+
+def split_loads(lines: list[dict], gap_s: float = LOAD_GAP_S) -> list[Load]:
+    """The trace cut into runs where consecutive results are more than `gap_s` apart on
+    the host's clock (a switch line goes with the result after it). Needs "t" on every
+    result line: ValueError naming the step otherwise."""
+    loads: list[Load] = []
+    pending: list[dict] = []
+    previous_t = None
+    for line in lines:
+        if "shape" not in line:
+            pending.append(line)
+            continue
+        if "t" not in line:
+            raise ValueError(
+                f"--loads: step {line['step']}'s result has no host clock (\"t\"); "
+                "the trace predates it"
+            )
+        if previous_t is None or line["t"] - previous_t > gap_s:
+            loads.append(Load([]))
+        loads[-1].lines.extend(pending + [line])
+        pending = []
+        previous_t = line["t"]
+    return loads
+
+
+def print_loads(loads: list[Load], min_steps: int = 3) -> None:
+    """A block per load; stretches shorter than `min_steps` are folded into one count."""
+    print(
+        "loads (size at most, host seconds, tok/s by the host's clock, switches, steps by "
+        "shape; then each stretch of one shape: steps, sizes, seconds at its end):"
+    )
+    for i, load in enumerate(loads):
+        rate = load.tokens_per_second()
+        shapes = collections.Counter(line["shape"] for line in load.results)
+        print(
+            f"  load {i}: bs <= {load.max_bs}, {load.seconds:.2f} s, "
+            + (f"{rate:.0f} tok/s, " if rate is not None else "")
+            + f"{load.switches} switches, "
+            + ", ".join(f"{s} {n}" for s, n in shapes.most_common())
+        )
+        short = 0
+        for stretch in load.stretches():
+            if stretch.steps < min_steps:
+                short += stretch.steps
+                continue
+            print(
+                f"    {stretch.shape:>8} x{stretch.steps:<4} bs {stretch.first_bs:>3} -> "
+                f"{stretch.last_bs:<3} to {stretch.end_s:.2f} s"
+            )
+        if short:
+            print(f"    (and {short} steps in stretches under {min_steps})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", type=Path)
@@ -305,6 +427,8 @@ def main() -> None:
     p.add_argument("--prices-bs", default="1,4,16,48,64")
     p.add_argument("--resize-rule", choices=RESIZE_RULES, default="confirmed")
     p.add_argument("--runs", action="store_true")
+    p.add_argument("--loads", action="store_true")
+    p.add_argument("--load-gap", type=float, default=LOAD_GAP_S, metavar="SECONDS")
     args = p.parse_args()
     lines = read_lines(args.trace)
     if args.prices_at:
@@ -316,6 +440,12 @@ def main() -> None:
         return
     if args.runs:
         print_runs(split_runs(lines))
+        return
+    if args.loads:
+        try:
+            print_loads(split_loads(lines, args.load_gap))
+        except ValueError as e:
+            raise SystemExit(str(e))
         return
     print_summary(summarise(lines, args.slow_ms), args.min_steps)
 

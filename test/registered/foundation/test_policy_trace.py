@@ -224,3 +224,66 @@ def test_runs_split_where_the_batch_jumps_and_show_span_quarters(capsys):
     assert "step      1: bs  48,    8 of    9 steps" in out, out
     assert "1,3,4 3.00 / 3.00 / 4.00 / 4.00" in out, out
     assert "4,3,8 8 | 4,3,8 2.00 / 2.00 / 2.00 / 2.00" in out, out
+
+
+def mixed_load_lines() -> list[dict]:
+    """Two runs of a mixed load 10 s apart on the host's clock: the first grows to bs 6 on
+    the narrow tree, switches to the chain (a 0.5-s first step: a compile, not a new run)
+    and drains to bs 1 on the wide tree; the second stays on the narrow tree at bs 2."""
+    lines, t, step = [], 100.0, 0
+
+    def result(shape, bs, gap=0.004, accept=2.0):
+        nonlocal t, step
+        t, step = t + gap, step + 1
+        lines.append({"step": step, "shape": shape, "bs": bs, "accept": accept, "t": t})
+
+    for bs in (2, 4, 6):
+        result("4,3,8", bs)
+    lines.append({"step": step + 1, "switch": ["4,3,8", "1,3,4"], "bs": 6})
+    result("1,3,4", 6, gap=0.5)
+    result("1,3,4", 5)
+    result("1,3,4", 4)
+    lines.append({"step": step + 1, "switch": ["1,3,4", "16,3,32"], "bs": 4})
+    for bs in (4, 2, 1):
+        result("16,3,32", bs)
+    result("4,3,8", 2, gap=10.0)
+    result("4,3,8", 2)
+    return lines
+
+
+def test_loads_are_cut_at_the_host_clocks_long_idle_not_at_a_stall():
+    first, second = policy_trace.split_loads(mixed_load_lines(), gap_s=2.0)
+
+    assert (first.max_bs, first.switches, len(first.results)) == (6, 2, 9)
+    assert [(s.shape, s.steps, s.first_bs, s.last_bs) for s in first.stretches()] == [
+        ("4,3,8", 3, 2, 6),
+        ("1,3,4", 3, 6, 4),
+        ("16,3,32", 3, 4, 1),
+    ]
+    # Eight results after the first, 2 tokens a request each, over 0.528 s.
+    committed = 2.0 * (4 + 6 + 6 + 5 + 4 + 4 + 2 + 1)
+    assert first.seconds == pytest.approx(0.528)
+    assert first.tokens_per_second() == pytest.approx(committed / 0.528)
+    assert (second.max_bs, second.switches, second.seconds) == (
+        2,
+        0,
+        pytest.approx(0.004),
+    )
+    # A gap shorter than the 0.5-s stall keeps it inside one run no longer.
+    assert len(policy_trace.split_loads(mixed_load_lines(), gap_s=0.4)) == 3
+
+
+def test_loads_printed_fold_short_stretches(capsys):
+    policy_trace.print_loads(policy_trace.split_loads(mixed_load_lines()), min_steps=3)
+
+    out = capsys.readouterr().out
+    assert "load 0: bs <= 6, 0.53 s, 121 tok/s, 2 switches, " in out
+    assert "1,3,4 x3    bs   6 -> 4   to 0.52 s" in out
+    assert "load 1: bs <= 2, 0.00 s, " in out
+    assert "(and 2 steps in stretches under 3)" in out
+
+
+def test_loads_need_the_host_clock():
+    lines = [{"step": 1, "shape": "1,3,4", "bs": 4, "accept": 2.0}]
+    with pytest.raises(ValueError, match="step 1's result has no host clock"):
+        policy_trace.split_loads(lines)
