@@ -758,6 +758,9 @@ def mixed_row(
         "load": mixed.label,
         "tok_per_s": run.tok_per_s,
         "tok_per_s_repeats": [r.tok_per_s for r in runs],
+        # Each run's batch at its largest: the load's arrivals are fixed, how far the batch
+        # grows is the run's own outcome, so runs of one config can be different loads.
+        "peak_in_flight_repeats": [r.peak_in_flight for r in runs],
         "accept_length": run.accept_length if spec else 1.0,
         "diverged": diverged_requests(run, ramp, successor, tokens),
     }
@@ -1184,6 +1187,10 @@ def main() -> None:
     if spread:
         print("tok/s spread over 10 % of the best (each run or engine, in order):")
         print("\n".join(spread))
+    mixed_runs = mixed_run_lines(rows)
+    if mixed_runs:
+        print("mixed load, each run's tok/s at its most requests in flight, in order:")
+        print("\n".join(mixed_runs))
     for pair in filter(None, args.ratios.split(",")):
         num, den = pair.split("/")
         print_pair_ratios(rows, num, den, "tok_per_s", f"{num} / {den} tok/s")
@@ -1257,6 +1264,20 @@ def spread_lines(rows: list[dict], least: float = 0.10) -> list[str]:
                     f"  {r['config']} bs {r['bs']}, {where}: "
                     + " / ".join(f"{v:.0f}" for v in values)
                 )
+    return lines
+
+
+def mixed_run_lines(rows: list[dict]) -> list[str]:
+    """One line per mixed-load row: each run's tok/s with its batch at its largest."""
+    lines = []
+    for r in rows:
+        peaks = r.get("peak_in_flight_repeats")
+        if r["bs"] != MIXED or not peaks:
+            continue
+        runs = zip(r["tok_per_s_repeats"], peaks)
+        lines.append(
+            f"  {r['config']}: " + " / ".join(f"{t:.0f} at {p}" for t, p in runs)
+        )
     return lines
 
 

@@ -291,6 +291,7 @@ def test_side_by_side_mixed_load_rows_keep_every_run(
             output_ids=[[0] * n for n in tokens],
             seconds=seconds,
             completion_tokens=sum(tokens),
+            peak_in_flight=6 if e == "engine1" else 3,
         )
 
     monkeypatch.setattr(bench_e2e.eng, "arrivals_generate", arrivals)
@@ -313,6 +314,11 @@ def test_side_by_side_mixed_load_rows_keep_every_run(
     assert [r["tok_per_s_repeats"] for r in rows] == [
         [tokens / 2.0] * 2,
         [tokens / 1.0] * 2,
+    ]
+    assert [r["peak_in_flight_repeats"] for r in rows] == [[6, 6], [3, 3]]
+    assert bench_e2e.mixed_run_lines(rows) == [
+        f"  none: {tokens / 2.0:.0f} at 6 / {tokens / 2.0:.0f} at 6",
+        f"  chain: {tokens:.0f} at 3 / {tokens:.0f} at 3",
     ]
     mixed_runs = [e for e, _, kind in engines_without_a_gpu.runs if kind == "mixed"]
     assert mixed_runs == [

@@ -290,6 +290,7 @@ def test_arrivals_generate_gives_each_request_its_own_delay_and_length():
         async def async_generate(self, input_ids, sampling_params):
             assert asyncio.get_running_loop() is self.loop
             asked[input_ids[0]] = asyncio.get_event_loop().time()
+            await asyncio.sleep(0.02)
             n = sampling_params["max_new_tokens"]
             return {"output_ids": [7] * n, "meta_info": {"completion_tokens": n}}
 
@@ -300,6 +301,8 @@ def test_arrivals_generate_gives_each_request_its_own_delay_and_length():
     assert run.output_ids == [[7] * 5, [7], [7] * 2]
     assert run.completion_tokens == 8
     assert asked[2] - asked[0] >= 0.08 and asked[1] - asked[0] < 0.05
+    # Requests 0 and 1 in flight together; request 2 sent after both finished.
+    assert run.peak_in_flight == 2
     with pytest.raises(ValueError):  # a delay or a length missing is refused
         eng.arrivals_generate(FakeEngine(), [[0], [1]], [5], [0.0, 0.0])
 
@@ -313,3 +316,18 @@ def test_identity_by_batch_size_runs_each_size_and_names_the_diverging_one():
     diverging = [[0] * 5, [0] * 5, [0, 0, 7, 0, 0], [0] * 5]
     with pytest.raises(AssertionError, match="triton bs 4"):
         eng.identical_by_batch_size(e, prompts, diverging, (1, 4), "triton")
+
+
+@pytest.mark.parametrize(
+    "spans, peak",
+    [
+        ([], 0),
+        ([(0.0, 1.0)], 1),
+        ([(0.0, 1.0), (0.5, 2.0), (0.7, 0.8)], 3),
+        # One request finishing as the next is sent: never both in flight.
+        ([(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)], 1),
+        ([(0.0, 3.0), (1.0, 2.0), (2.0, 2.5)], 2),
+    ],
+)
+def test_peak_in_flight_counts_the_most_open_spans(spans, peak):
+    assert eng.peak_in_flight(spans) == peak

@@ -392,6 +392,9 @@ class GreedyRun:
     completion_tokens: int
     verify_count: int = 0
     meta: list[dict] = field(default_factory=list)
+    # Requests in flight at once at the most, as the client saw them (arrivals_generate
+    # only): a mixed load's batch grows only as far as the engine falls behind it.
+    peak_in_flight: Optional[int] = None
 
     @classmethod
     def of_outputs(cls, outs: list[dict], seconds: float) -> "GreedyRun":
@@ -459,12 +462,16 @@ def arrivals_generate(
     max_new_tokens[i] tokens; timed from the first arrival to the last completion."""
     import asyncio
 
-    async def arrive(prompt: list[int], tokens: int, delay: float) -> dict:
+    async def arrive(
+        prompt: list[int], tokens: int, delay: float
+    ) -> tuple[dict, tuple[float, float]]:
         await asyncio.sleep(delay)
         params = dict(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
-        return await eng.async_generate(input_ids=prompt, sampling_params=params)
+        sent = time.perf_counter()
+        out = await eng.async_generate(input_ids=prompt, sampling_params=params)
+        return out, (sent, time.perf_counter())
 
-    async def all_requests() -> list[dict]:
+    async def all_requests() -> list[tuple[dict, tuple[float, float]]]:
         return await asyncio.gather(
             *(arrive(*a) for a in zip(prompts, max_new_tokens, delays, strict=True))
         )
@@ -472,9 +479,22 @@ def arrivals_generate(
     tic = time.perf_counter()
     # sglang's Engine runs its tokenizer manager on its own event loop (Engine.generate):
     # the thread's current loop is the last engine's where several run side by side.
-    outs = eng.loop.run_until_complete(all_requests())
+    done = eng.loop.run_until_complete(all_requests())
     seconds = time.perf_counter() - tic
-    return GreedyRun.of_outputs(outs, seconds)
+    run = GreedyRun.of_outputs([out for out, _ in done], seconds)
+    run.peak_in_flight = peak_in_flight([span for _, span in done])
+    return run
+
+
+def peak_in_flight(spans: list[tuple[float, float]]) -> int:
+    """The most of the (sent, finished) spans open at one time; a request finishing when
+    another is sent is not counted with it."""
+    events = sorted([(sent, 1) for sent, _ in spans] + [(end, -1) for _, end in spans])
+    open_now = peak = 0
+    for _, change in events:
+        open_now += change
+        peak = max(peak, open_now)
+    return peak
 
 
 def timed_runs(
