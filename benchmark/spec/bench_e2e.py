@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
@@ -499,6 +500,60 @@ def measure(
     return rows
 
 
+def start_engines(
+    start: Callable[..., object],
+    settings: dict[str, dict],
+    envs: dict[str, dict[str, str]],
+    together: bool = False,
+) -> dict[str, tuple[object, float, list]]:
+    """name -> (engine, seconds its start took, its scheduler processes), in `settings`'
+    order: each engine started by start(**settings[name]) with envs[name] set.
+
+    One after another by default. With `together`, the engines of configs with the same env
+    start at once, a thread each (an Engine's start-up is mostly a wait on its scheduler
+    process, which imports, loads and captures on its own), one env group after another: a
+    scheduler reads this process's env when it is spawned. Which scheduler is whose comes
+    from each engine's child pids there (one after another: the processes that are new).
+    """
+    groups: dict[tuple, list[str]] = {}
+    for name in settings:
+        key = tuple(sorted(envs[name].items())) if together else (name,)
+        groups.setdefault(key, []).append(name)
+
+    def start_one(name: str) -> tuple[object, float]:
+        tic = time.perf_counter()
+        engine = start(**settings[name])
+        seconds = round(time.perf_counter() - tic, 1)
+        print(f"{name}: engine started in {seconds:.0f} s", flush=True)
+        return engine, seconds
+
+    started: dict[str, tuple[object, float, list]] = {}
+    for group in groups.values():
+        with scoped_env(envs[group[0]]):
+            if len(group) == 1:
+                results = [start_one(group[0])]
+            else:
+                with ThreadPoolExecutor(len(group)) as pool:
+                    # Every start runs to its end before a failure is raised: the engine
+                    # group's exit then stops every engine, started or half started.
+                    futures = [pool.submit(start_one, name) for name in group]
+                    wait(futures)
+                    results = [f.result() for f in futures]
+        for name, (engine, seconds) in zip(group, results):
+            if len(group) == 1:
+                earlier = {p for _, _, procs in started.values() for p in procs}
+                procs = [
+                    p for p in scheduler_host.scheduler_processes() if p not in earlier
+                ]
+            else:
+                pids = set(engine.get_all_child_pids())
+                procs = [
+                    p for p in scheduler_host.scheduler_processes() if p.pid in pids
+                ]
+            started[name] = (engine, seconds, procs)
+    return {name: started[name] for name in settings}
+
+
 def measure_side_by_side(
     target,
     draft,
@@ -514,6 +569,7 @@ def measure_side_by_side(
     freeze_gc: bool = False,
     stacks_dir: Optional[Path] = None,
     deadline: Optional["Deadline"] = None,
+    start_together: bool = False,
 ) -> list[dict]:
     """measure() for every config of `names` at once: all their engines up together, their
     schedulers on one CPU, the configs taking turns run by run.
@@ -526,36 +582,31 @@ def measure_side_by_side(
     round of runs starts with the next config, so none always runs first. With stacks_dir,
     py-spy samples each config's schedulers over the runs (specpatch.testing.stack_sampler),
     from the CPUs the schedulers are not on. With a deadline, a load (the mixed one, then
-    each batch size) that would not end in time is not started, nor any after it."""
+    each batch size) that would not end in time is not started, nor any after it. With
+    start_together, engines start as start_engines(together=True) starts them."""
     speeds = vcpu_speed.speed_map(HOST_CPUS)
-    engines: dict[str, object] = {}
-    schedulers: dict[str, list] = {}
-    start_s: dict[str, float] = {}
+    settings: dict[str, dict] = {}
+    for name in names:
+        kwargs = engine_settings(
+            target, draft, name, batch_sizes, attention_backend, mixed
+        )
+        # Every engine's pool at once: each only as large as its live requests need.
+        kwargs["max_total_tokens"] = min(
+            kwargs["max_total_tokens"],
+            max(MIN_SIDE_BY_SIDE_POOL, live_tokens(batch_sizes, mixed, max_new_tokens)),
+        )
+        settings[name] = kwargs | {"sleep_on_idle": True}
+    envs = {n: CONFIGS[split_config(n, attention_backend)[0]][1] for n in names}
     with eng.engine_group() as start, contextlib.ExitStack() as sampling:
-        for name in names:
-            config, _, _ = split_config(name, attention_backend)
-            kwargs = engine_settings(
-                target, draft, name, batch_sizes, attention_backend, mixed
-            )
-            # Every engine's pool at once: each only as large as its live requests need.
-            kwargs["max_total_tokens"] = min(
-                kwargs["max_total_tokens"],
-                max(
-                    MIN_SIDE_BY_SIDE_POOL,
-                    live_tokens(batch_sizes, mixed, max_new_tokens),
-                ),
-            )
-            started = time.perf_counter()
-            with scoped_env(CONFIGS[config][1]):
-                engines[name] = start(**kwargs, sleep_on_idle=True)
-            start_s[name] = round(time.perf_counter() - started, 1)
-            print(f"{name}: engine started in {start_s[name]:.0f} s", flush=True)
-            earlier = {p for procs in schedulers.values() for p in procs}
-            schedulers[name] = [
-                p for p in scheduler_host.scheduler_processes() if p not in earlier
-            ]
-            if freeze_gc:
-                engines[name].freeze_gc()
+        if start_together:  # engines started in threads install no SIGQUIT handler
+            sampling.enter_context(eng.sigquit_kills_children())
+        started = start_engines(start, settings, envs, start_together)
+        engines = {name: e for name, (e, _, _) in started.items()}
+        start_s = {name: seconds for name, (_, seconds, _) in started.items()}
+        schedulers = {name: procs for name, (_, _, procs) in started.items()}
+        if freeze_gc:
+            for e in engines.values():
+                e.freeze_gc()
         every_scheduler = [p for procs in schedulers.values() for p in procs]
         pin = "fastest" if pin_scheduler == "none" else pin_scheduler
         cpu = scheduler_cpu(pin, speeds)
@@ -974,6 +1025,13 @@ def main() -> None:
         "differ and drift (docs/benchmarks.md); needs GPU memory for every engine at once",
     )
     parser.add_argument(
+        "--start-together",
+        action="store_true",
+        help="with --side-by-side: start the engines of configs that need the same env at "
+        "once, a thread each, rather than one after another (each engine's start is most "
+        "of a minute of its own scheduler's imports and graph captures)",
+    )
+    parser.add_argument(
         "--cuda-graph-bs",
         help="B1,B2,...: the batch sizes every engine captures CUDA graphs at, up to the "
         "run's largest batch (default: the run's batch sizes, or with --mixed-load sglang's "
@@ -1049,6 +1107,8 @@ def main() -> None:
     deadline = Deadline(args.time_limit)
     if args.time_limit is not None and not args.side_by_side:
         parser.error("--time-limit cuts the loads of --side-by-side")
+    if args.start_together and not args.side_by_side:
+        parser.error("--start-together starts the engines of --side-by-side")
     if args.py_spy:
         if not args.side_by_side:
             parser.error("--py-spy samples the engines of --side-by-side")
@@ -1117,6 +1177,7 @@ def main() -> None:
                     vocab,
                     stacks_dir=Path(args.py_spy) if args.py_spy else None,
                     deadline=deadline,
+                    start_together=args.start_together,
                     **common,
                 )
             ]

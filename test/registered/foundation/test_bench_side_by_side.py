@@ -3,6 +3,7 @@ taking turns run by run with their schedulers on one CPU; and the engine group i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -474,3 +475,117 @@ def test_no_round_starts_its_engines_after_the_deadline_expired(
     bench_e2e.main()
 
     assert len(rounds) == 1
+
+
+def test_start_together_needs_side_by_side(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--start-together"])
+
+    with pytest.raises(SystemExit):
+        bench_e2e.main()
+
+    assert "--start-together starts the engines of --side-by-side" in (
+        capsys.readouterr().err
+    )
+
+
+# A scheduler process as start_engines reads it (psutil.Process: hashable, a pid).
+FakeProcess = collections.namedtuple("FakeProcess", "pid")
+
+
+class StartedEngine(str):
+    """A fake engine: its name, and its child pids (sglang's Engine.get_all_child_pids)."""
+
+    def get_all_child_pids(self):
+        return [int(self[-1]) * 10, int(self[-1]) * 10 + 1]  # scheduler, detokenizer
+
+
+@pytest.fixture
+def timed_starts(monkeypatch):
+    """start(**kwargs) that takes 0.3 s, recording when it began and ended and the env it
+    saw; each engine's scheduler a process whose pid is its engine's first child pid."""
+    import threading
+    import time
+
+    log, lock = [], threading.Lock()
+
+    def start(name, fail=False):
+        began = time.perf_counter()
+        time.sleep(0.3)
+        with lock:
+            log.append((name, began, time.perf_counter(), os.environ.get("SPEC_X")))
+        if fail:
+            raise RuntimeError(f"{name} failed to start")
+        return StartedEngine(name)
+
+    # Every engine's processes exist from the start (the scheduler and its detokenizer).
+    procs = [FakeProcess(pid) for pid in (10, 20, 30)]
+    monkeypatch.setattr(scheduler_host, "scheduler_processes", lambda: procs)
+    monkeypatch.delenv("SPEC_X", raising=False)
+    return types.SimpleNamespace(start=start, log=log, procs=procs)
+
+
+def test_start_together_starts_each_env_group_at_once(timed_starts):
+    settings = {n: {"name": f"engine{i + 1}"} for i, n in enumerate("abc")}
+    envs = {"a": {}, "b": {"SPEC_X": "1"}, "c": {}}
+
+    started = bench_e2e.start_engines(timed_starts.start, settings, envs, together=True)
+
+    assert list(started) == ["a", "b", "c"]  # settings' order, not the start order
+    assert [e for e, _, _ in started.values()] == ["engine1", "engine2", "engine3"]
+    spans = {name: (began, ended, env) for name, began, ended, env in timed_starts.log}
+    # a and c (no env) together, then b alone under its env.
+    assert abs(spans["engine1"][0] - spans["engine3"][0]) < 0.15
+    assert spans["engine2"][0] >= max(spans["engine1"][1], spans["engine3"][1])
+    assert (spans["engine1"][2], spans["engine2"][2], spans["engine3"][2]) == (
+        None,
+        "1",
+        None,
+    )
+    assert "SPEC_X" not in os.environ  # restored after its group
+    # Each engine's schedulers by its child pids.
+    assert {n: [p.pid for p in procs] for n, (_, _, procs) in started.items()} == {
+        "a": [10],
+        "b": [20],
+        "c": [30],
+    }
+    assert all(0.25 <= seconds < 1.0 for _, seconds, _ in started.values())
+
+
+def test_engines_start_one_after_another_by_default(timed_starts, monkeypatch):
+    settings = {n: {"name": f"engine{i + 1}"} for i, n in enumerate("ab")}
+    started_so_far = []
+
+    def start(**kwargs):
+        started_so_far.append(kwargs["name"])
+        return timed_starts.start(**kwargs)
+
+    # One after another, an engine's schedulers are the processes new since the last.
+    monkeypatch.setattr(
+        scheduler_host,
+        "scheduler_processes",
+        lambda: timed_starts.procs[: len(started_so_far)],
+    )
+
+    started = bench_e2e.start_engines(start, settings, {"a": {}, "b": {}})
+
+    (a, b) = sorted(timed_starts.log, key=lambda entry: entry[1])
+    assert a[2] <= b[1]  # b began after a ended
+    assert {n: [p.pid for p in procs] for n, (_, _, procs) in started.items()} == {
+        "a": [10],
+        "b": [20],
+    }
+
+
+def test_a_failed_start_raises_once_every_start_of_its_group_ended(timed_starts):
+    settings = {
+        "a": {"name": "engine1", "fail": True},
+        "b": {"name": "engine2"},
+    }
+
+    with pytest.raises(RuntimeError, match="engine1 failed to start"):
+        bench_e2e.start_engines(
+            timed_starts.start, settings, {"a": {}, "b": {}}, together=True
+        )
+
+    # b's start was not abandoned: the engine group's exit can stop it.
+    assert sorted(name for name, *_ in timed_starts.log) == ["engine1", "engine2"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import time
 
 import pytest
 
@@ -331,3 +332,17 @@ def test_identity_by_batch_size_runs_each_size_and_names_the_diverging_one():
 )
 def test_peak_in_flight_counts_the_most_open_spans(spans, peak):
     assert eng.peak_in_flight(spans) == peak
+
+
+def test_sigquit_kills_children_through_the_patched_kill_and_restores_the_handler():
+    """An engine started in a thread installs no SIGQUIT handler; sigquit_kills_children
+    stands in for the one it would have: a child's SIGQUIT raises EngineChildFailed here
+    (under child_failure_raises) instead of ending the process."""
+    import signal
+
+    before = signal.getsignal(signal.SIGQUIT)
+    with eng.child_failure_raises(), eng.sigquit_kills_children():
+        with pytest.raises(eng.EngineChildFailed):
+            os.kill(os.getpid(), signal.SIGQUIT)
+            time.sleep(1.0)  # the handler runs at the next bytecode; never reached
+    assert signal.getsignal(signal.SIGQUIT) is before

@@ -288,6 +288,28 @@ def engine(**kwargs) -> Iterator[object]:
 
 
 @contextlib.contextmanager
+def sigquit_kills_children() -> Iterator[None]:
+    """While open, a SIGQUIT to this process (an sglang child's failure, or its engine's
+    watchdog) goes to sglang's kill_process_tree, as the handler an Engine installs when it
+    starts in the main thread; one started in another thread installs none (signal handlers
+    belong to the main thread), and SIGQUIT's default would end this process with no
+    traceback. Under child_failure_raises that kill raises EngineChildFailed here. Must be
+    entered in the main thread; the handler before it comes back on exit."""
+    import signal
+
+    from sglang.srt.entrypoints import engine as sgl_engine
+
+    def handler(signum, frame):
+        sgl_engine.kill_process_tree(os.getpid())  # looked up now: the patched one
+
+    previous = signal.signal(signal.SIGQUIT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGQUIT, previous)
+
+
+@contextlib.contextmanager
 def engine_group() -> Iterator[Callable[..., object]]:
     """Engines that run side by side in this process: yields start(**engine_kwargs), which
     starts one more and returns it; every engine started stops on exit.
