@@ -309,6 +309,75 @@ class MixedLoad:
         ] * self.requests
         return delays, tokens
 
+    @property
+    def most_in_flight(self) -> int:
+        """Every request may be in flight at once (the engine falls behind the clock)."""
+        return self.total_requests
+
+    def tokens(self, max_new_tokens: int) -> list[int]:
+        return self.arrivals(max_new_tokens)[1]
+
+    def generate(self, e, prompts: list[list[int]], max_new_tokens: int):
+        delays, tokens = self.arrivals(max_new_tokens)
+        return eng.arrivals_generate(e, prompts, tokens, delays)
+
+
+@dataclass(frozen=True)
+class StairLoad:
+    """Phases of (most in flight, requests), each request of max_new_tokens: a phase's
+    requests are sent as completions let them in, so "1x8,16x64,64x128,16x64,1x8" holds the
+    batch at 1, 16 and 64 and back down for that many requests each. A closed loop: every
+    engine runs the same batch sizes in the same order, where a MixedLoad's clock gathers
+    a larger batch the slower the engine is."""
+
+    phases: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "StairLoad":
+        phases = []
+        for part in text.split(","):
+            level, _, count = part.partition("x")
+            try:
+                phases.append((int(level), int(count)))
+            except ValueError:
+                phases = []
+                break
+        if not phases or any(level < 1 or count < 1 for level, count in phases):
+            raise SystemExit(
+                f"--mixed-load {text!r}: want LEVELxREQUESTS,... (each at least 1), "
+                "e.g. 1x8,16x64,64x128,16x64,1x8"
+            )
+        return cls(tuple(phases))
+
+    @property
+    def total_requests(self) -> int:
+        return sum(count for _, count in self.phases)
+
+    @property
+    def most_in_flight(self) -> int:
+        return max(level for level, _ in self.phases)
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{level}x{count}" for level, count in self.phases)
+
+    def tokens(self, max_new_tokens: int) -> list[int]:
+        return [max_new_tokens] * self.total_requests
+
+    def generate(self, e, prompts: list[list[int]], max_new_tokens: int):
+        levels = [level for level, count in self.phases for _ in range(count)]
+        return eng.concurrency_generate(e, prompts, self.tokens(max_new_tokens), levels)
+
+
+# A mixed-load row's load: arrivals on a clock or a closed loop.
+Load = Union[MixedLoad, StairLoad]
+
+
+def parse_load(text: str) -> Load:
+    """--mixed-load's two forms: REQUESTS:RAMP_SECONDS[:LONGxTOKENS] (arrivals on a clock)
+    or LEVELxREQUESTS,... (a closed loop)."""
+    return MixedLoad.parse(text) if ":" in text else StairLoad.parse(text)
+
 
 def engine_settings(
     target,
@@ -316,7 +385,7 @@ def engine_settings(
     name: str,
     batch_sizes: list[int],
     attention_backend: str,
-    mixed: Optional[MixedLoad] = None,
+    mixed: Optional[Load] = None,
     force_switch_every: int = 0,
 ) -> dict:
     """Engine kwargs of config `name` for a run at `batch_sizes`. CUDA graphs are captured at
@@ -353,7 +422,7 @@ def engine_settings(
         target,
         draft,
         spec,
-        max_running_requests=max([*batch_sizes, mixed.total_requests if mixed else 0]),
+        max_running_requests=max([*batch_sizes, mixed.most_in_flight if mixed else 0]),
         max_total_tokens=eng.pool_tokens_for(target),
         attention_backend=backend,
         page_size=page_size,
@@ -375,7 +444,7 @@ def warm_jit_caches(
     batch_sizes: list[int],
     vocab: int,
     attention_backend: str,
-    mixed: Optional[MixedLoad],
+    mixed: Optional[Load],
 ) -> None:
     """Start and discard one engine that runs the kernels the measured engines will.
 
@@ -391,7 +460,7 @@ def warm_jit_caches(
     if not policy_configs(names, attention_backend):
         measure(target, draft, names[0], [1], 16, vocab, 1, attention_backend)
         return
-    largest = max([*batch_sizes, mixed.total_requests if mixed else 0])
+    largest = max([*batch_sizes, mixed.most_in_flight if mixed else 0])
     sizes = {*batch_sizes, *(1 << i for i in range(largest.bit_length()))}
     kwargs = engine_settings(
         target,
@@ -434,7 +503,7 @@ def measure(
     vocab: int,
     repeats: int = 3,
     attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"],
-    mixed: Optional[MixedLoad] = None,
+    mixed: Optional[Load] = None,
     successor: Optional[list[int]] = None,
     pin_scheduler: str = "none",
     freeze_gc: bool = False,
@@ -461,12 +530,10 @@ def measure(
         loads = [os.getloadavg()[0]]
         if mixed is not None:
             ramp = prompts(mixed.total_requests, vocab, seed=99)
-            delays, tokens = mixed.arrivals(max_new_tokens)
-            eng.arrivals_generate(e, ramp, tokens, delays)  # warm-up
+            tokens = mixed.tokens(max_new_tokens)
+            mixed.generate(e, ramp, max_new_tokens)  # warm-up
             before = scheduler_host.snapshot(schedulers)
-            runs = [
-                eng.arrivals_generate(e, ramp, tokens, delays) for _ in range(repeats)
-            ]
+            runs = [mixed.generate(e, ramp, max_new_tokens) for _ in range(repeats)]
             usage = scheduler_host.snapshot(schedulers).since(before)
             rows.append(
                 mixed_row(name, spec, mixed, runs, ramp, tokens, successor)
@@ -563,7 +630,7 @@ def measure_side_by_side(
     vocab: int,
     repeats: int = 3,
     attention_backend: str = eng.BUNDLE_FLAGS["attention_backend"],
-    mixed: Optional[MixedLoad] = None,
+    mixed: Optional[Load] = None,
     successor: Optional[list[int]] = None,
     pin_scheduler: str = "fastest",
     freeze_gc: bool = False,
@@ -625,10 +692,8 @@ def measure_side_by_side(
         deadline = deadline or Deadline(None)
         if mixed is not None and deadline.next_fits(mixed.label):
             ramp = prompts(mixed.total_requests, vocab, seed=99)
-            delays, tokens = mixed.arrivals(max_new_tokens)
-            runs, usage = turns.take(
-                lambda e: eng.arrivals_generate(e, ramp, tokens, delays)
-            )
+            tokens = mixed.tokens(max_new_tokens)
+            runs, usage = turns.take(lambda e: mixed.generate(e, ramp, max_new_tokens))
             for name in names:
                 rows.append(
                     mixed_row(
@@ -681,16 +746,17 @@ MIN_SIDE_BY_SIDE_POOL = 1 << 15
 
 
 def live_tokens(
-    batch_sizes: list[int], mixed: Optional[MixedLoad], max_new_tokens: int
+    batch_sizes: list[int], mixed: Optional[Load], max_new_tokens: int
 ) -> int:
     """KV tokens the most a run has in flight at once needs: its largest batch or its mixed
-    load (every request of it), each request at its longest prompt, all its tokens and
-    SPEC_SLACK_TOKENS. The radix cache gives back finished prompts' slots as needed."""
+    load (the longest of its requests that can be in flight at once: every one of a
+    MixedLoad's), each request at its longest prompt, all its tokens and SPEC_SLACK_TOKENS. The radix cache gives back finished prompts' slots as needed.
+    """
     per_request = PROMPT_LEN[1] + SPEC_SLACK_TOKENS
     needs = [bs * (per_request + max_new_tokens) for bs in batch_sizes]
     if mixed is not None:
-        _, tokens = mixed.arrivals(max_new_tokens)
-        needs.append(sum(per_request + n for n in tokens))
+        longest = sorted(mixed.tokens(max_new_tokens), reverse=True)
+        needs.append(sum(per_request + n for n in longest[: mixed.most_in_flight]))
     return max(needs)
 
 
@@ -794,7 +860,7 @@ def batch_row(
 def mixed_row(
     name: str,
     spec: Optional[eng.SpecConfig],
-    mixed: MixedLoad,
+    mixed: Load,
     runs: list[eng.GreedyRun],
     ramp: list[list[int]],
     tokens: list[int],
@@ -974,7 +1040,9 @@ def main() -> None:
         help="REQUESTS:RAMP_SECONDS[:LONGxTOKENS]: also run REQUESTS requests arriving "
         "evenly over RAMP_SECONDS (the batch grows to about REQUESTS and back), after LONG "
         "requests of TOKENS tokens that arrive first (a tail at a small batch), a row with "
-        "bs 'mixed'",
+        "bs 'mixed'; or LEVELxREQUESTS,... (e.g. 1x8,16x64,64x128,16x64,1x8): phases of "
+        "REQUESTS requests sent as completions let them in, at most LEVEL in flight, the "
+        "same batch sizes for every engine",
     )
     parser.add_argument(
         "--policy-config",
@@ -1117,10 +1185,10 @@ def main() -> None:
         except FileNotFoundError as e:
             parser.error(f"--py-spy: {e}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]  # "": mixed only
-    mixed = MixedLoad.parse(args.mixed_load) if args.mixed_load else None
+    mixed = parse_load(args.mixed_load) if args.mixed_load else None
     if args.cuda_graph_bs:
         CUDA_GRAPH_BS[:] = sorted({int(b) for b in args.cuda_graph_bs.split(",")})
-        largest = max([*batch_sizes, mixed.total_requests if mixed else 0])
+        largest = max([*batch_sizes, mixed.most_in_flight if mixed else 0])
         if CUDA_GRAPH_BS[-1] < largest:
             parser.error(
                 f"--cuda-graph-bs {args.cuda_graph_bs}: the run reaches bs {largest}, "

@@ -814,3 +814,50 @@ def test_policy_chain_without_the_chain_in_the_set_is_refused(monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         bench_e2e.main()
     assert exit_info.value.code == 2  # argparse's usage error
+
+
+def test_a_stair_load_holds_each_phases_batch_for_its_requests(monkeypatch):
+    monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
+    stair = bench_e2e.parse_load("1x2,4x8,1x1")
+    assert isinstance(stair, bench_e2e.StairLoad)
+    assert stair.phases == ((1, 2), (4, 8), (1, 1))
+    assert (stair.total_requests, stair.most_in_flight, stair.label) == (
+        11,
+        4,
+        "1x2,4x8,1x1",
+    )
+    assert stair.tokens(128) == [128] * 11
+    kwargs = bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "tree", [1], "triton", stair
+    )
+    # At most 4 in flight: no larger batch to run or to capture.
+    assert kwargs["max_running_requests"] == 4
+    assert isinstance(bench_e2e.parse_load("64:1.5"), bench_e2e.MixedLoad)
+
+
+def test_a_stair_load_sends_each_request_at_its_phases_level(monkeypatch):
+    seen = {}
+
+    def concurrency_generate(e, prompts, tokens, levels):
+        seen.update(engine=e, prompts=len(prompts), tokens=tokens, levels=levels)
+        return "run"
+
+    monkeypatch.setattr(bench_e2e.eng, "concurrency_generate", concurrency_generate)
+    stair = bench_e2e.StairLoad.parse("1x2,3x3")
+
+    assert stair.generate("e", [[0]] * 5, 16) == "run"
+    assert seen == dict(engine="e", prompts=5, tokens=[16] * 5, levels=[1, 1, 3, 3, 3])
+
+
+@pytest.mark.parametrize("text", ["16", "16x", "x4", "0x4", "4x0", "4x8,", "ax1"])
+def test_a_malformed_stair_load_names_the_flag(text):
+    with pytest.raises(SystemExit, match="--mixed-load .*LEVELxREQUESTS"):
+        bench_e2e.parse_load(text)
+
+
+def test_live_tokens_of_a_stair_load_cover_its_most_in_flight(monkeypatch):
+    monkeypatch.setattr(bench_e2e, "PROMPT_LEN", [8, 64])
+    per_request = 64 + bench_e2e.SPEC_SLACK_TOKENS
+    stair = bench_e2e.StairLoad.parse("1x8,16x64,1x8")
+
+    assert bench_e2e.live_tokens([1], stair, 512) == 16 * (per_request + 512)

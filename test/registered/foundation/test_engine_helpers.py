@@ -346,3 +346,40 @@ def test_sigquit_kills_children_through_the_patched_kill_and_restores_the_handle
             os.kill(os.getpid(), signal.SIGQUIT)
             time.sleep(1.0)  # the handler runs at the next bytecode; never reached
     assert signal.getsignal(signal.SIGQUIT) is before
+
+
+def test_concurrency_generate_keeps_each_request_under_its_level():
+    """Request i goes out once fewer than levels[i] are in flight: the batch is held at each
+    phase's level and drains to the next one's, whatever the engine's speed."""
+    import asyncio
+
+    in_flight, most_seen, order = [0], [], []
+
+    class FakeEngine:
+        loop = asyncio.new_event_loop()
+
+        async def async_generate(self, input_ids, sampling_params):
+            in_flight[0] += 1
+            most_seen.append((input_ids[0], in_flight[0]))
+            order.append(input_ids[0])
+            await asyncio.sleep(0.01 * (1 + input_ids[0] % 3))
+            in_flight[0] -= 1
+            n = sampling_params["max_new_tokens"]
+            return {
+                "output_ids": [input_ids[0]] * n,
+                "meta_info": {"completion_tokens": n},
+            }
+
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    levels = [1, 1, 4, 4, 4, 4, 4, 4, 2, 2, 1]
+    prompts = [[i] for i in range(len(levels))]
+    run = eng.concurrency_generate(FakeEngine(), prompts, [3] * len(levels), levels)
+
+    assert order == list(range(len(levels)))  # sent in order
+    assert run.output_ids == [[i] * 3 for i in range(len(levels))]
+    assert run.completion_tokens == 3 * len(levels)
+    # Each request, once sent, had at most its level in flight (itself included).
+    assert all(count <= levels[i] for i, count in most_seen)
+    assert max(count for _, count in most_seen) == 4 and run.peak_in_flight == 4
+    with pytest.raises(ValueError):  # a level missing is refused
+        eng.concurrency_generate(FakeEngine(), prompts, [3] * len(levels), levels[:-1])

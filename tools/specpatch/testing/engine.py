@@ -508,6 +508,49 @@ def arrivals_generate(
     return run
 
 
+def concurrency_generate(
+    eng,
+    prompts: list[list[int]],
+    max_new_tokens: list[int],
+    levels: list[int],
+) -> GreedyRun:
+    """Greedy requests sent in order, request i as soon as fewer than levels[i] are in
+    flight (a closed loop: each completion lets the next request in); timed from the first
+    send to the last completion. Every engine runs the same batch sizes in the same order
+    however fast it is, where requests arriving on a clock (arrivals_generate) gather a
+    batch as large as the engine is slow."""
+    import asyncio
+
+    if not len(prompts) == len(max_new_tokens) == len(levels):
+        raise ValueError(
+            f"{len(prompts)} prompts, {len(max_new_tokens)} lengths, {len(levels)} levels"
+        )
+
+    async def send(prompt: list[int], tokens: int) -> tuple[dict, tuple[float, float]]:
+        params = dict(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
+        sent = time.perf_counter()
+        out = await eng.async_generate(input_ids=prompt, sampling_params=params)
+        return out, (sent, time.perf_counter())
+
+    async def all_requests() -> list[tuple[dict, tuple[float, float]]]:
+        tasks, in_flight = [], set()
+        for prompt, tokens, level in zip(prompts, max_new_tokens, levels):
+            while len(in_flight) >= level:
+                _, in_flight = await asyncio.wait(
+                    in_flight, return_when=asyncio.FIRST_COMPLETED
+                )
+            tasks.append(asyncio.ensure_future(send(prompt, tokens)))
+            in_flight.add(tasks[-1])
+        return await asyncio.gather(*tasks)
+
+    tic = time.perf_counter()
+    done = eng.loop.run_until_complete(all_requests())  # the engine's loop, as above
+    seconds = time.perf_counter() - tic
+    run = GreedyRun.of_outputs([out for out, _ in done], seconds)
+    run.peak_in_flight = peak_in_flight([span for _, span in done])
+    return run
+
+
 def peak_in_flight(spans: list[tuple[float, float]]) -> int:
     """The most of the (sent, finished) spans open at one time; a request finishing when
     another is sent is not counted with it."""
