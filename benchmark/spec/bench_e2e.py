@@ -364,9 +364,13 @@ class StairLoad:
     def tokens(self, max_new_tokens: int) -> list[int]:
         return [max_new_tokens] * self.total_requests
 
+    def levels(self) -> list[int]:
+        """Each request's level: it is sent once fewer than that many are in flight."""
+        return [level for level, count in self.phases for _ in range(count)]
+
     def generate(self, e, prompts: list[list[int]], max_new_tokens: int):
-        levels = [level for level, count in self.phases for _ in range(count)]
-        return eng.concurrency_generate(e, prompts, self.tokens(max_new_tokens), levels)
+        tokens = self.tokens(max_new_tokens)
+        return eng.concurrency_generate(e, prompts, tokens, self.levels())
 
 
 # A mixed-load row's load: arrivals on a clock or a closed loop.

@@ -11,7 +11,8 @@ no switch cost and no timing noise: what a GPU run of the same load can hope to 
     python benchmark/spec/policy_sim.py --rows results.json --mixed-load 64:1.5:4x1024
     python benchmark/spec/policy_sim.py --rows results.json --batch-sizes 1,4,16,48,64 --seeds 20
 
-Loads are bench_e2e's --mixed-load (REQUESTS:RAMP_SECONDS[:LONGxTOKENS]), or its fixed batch
+Loads are bench_e2e's --mixed-load (REQUESTS:RAMP_SECONDS[:LONGxTOKENS], or the closed loop
+LEVELxREQUESTS,...), or its fixed batch
 sizes as bench_e2e runs them (--repeats batches of each size in turn, one policy throughout).
 With --seeds, each request's accepted tokens in a step are a random draw around the shape's
 measured mean, as on a GPU, where they are what the policy learns accept lengths from; the
@@ -121,15 +122,27 @@ def replay(
     observe: Optional[Callable[[Shape, int, float, list[float]], None]] = None,
     draw: Optional[AcceptDraw] = None,
     noise: Optional[StepNoise] = None,
+    levels: Optional[list[int]] = None,
 ) -> Replay:
     """Decode the load step by step: each step runs choose(bs) on every request present, costs
     what the table says (with noise, what noise makes of it), and commits to each request the
-    shape's accept length (or, with draw, a draw of it per request)."""
-    arrivals = sorted(zip(delays, tokens))
+    shape's accept length (or, with draw, a draw of it per request). Requests arrive at their
+    delays or, with levels (a closed loop, bench_e2e.StairLoad), in order, request i once
+    fewer than levels[i] are present."""
+    if levels is None:
+        arrivals = sorted(zip(delays, tokens))
+    else:
+        arrivals = list(zip(delays, tokens))
+
+    def admits(i: int, present: int, now: float) -> bool:
+        if levels is None:
+            return arrivals[i][0] <= now
+        return present < levels[i]
+
     left: dict[int, float] = {}
     now, arrived, finished, steps = 0.0, 0, 0, {}
     while finished < len(arrivals):
-        while arrived < len(arrivals) and arrivals[arrived][0] <= now:
+        while arrived < len(arrivals) and admits(arrived, len(left), now):
             left[arrived] = arrivals[arrived][1]
             arrived += 1
         if not left:
@@ -179,12 +192,13 @@ def replay_policy(
     draw: Optional[AcceptDraw] = None,
     noise: Optional[StepNoise] = None,
     confirm_cheaper: bool = True,
+    levels: Optional[list[int]] = None,
 ) -> Replay:
     """The policy as a server runs it, learning the cost and accept length of each step it
     runs."""
     policy = server_policy(shapes, confirm_cheaper)
     observe = policy_observer(policy)
-    return replay(costs, delays, tokens, policy.choose, observe, draw, noise)
+    return replay(costs, delays, tokens, policy.choose, observe, draw, noise, levels)
 
 
 def compare(
@@ -195,17 +209,24 @@ def compare(
     draw: Optional[AcceptDraw] = None,
     noise: Optional[StepNoise] = None,
     confirm_cheaper: bool = True,
+    levels: Optional[list[int]] = None,
 ) -> dict[str, Replay]:
     """Each fixed shape of the set, then "policy"."""
     runs = {
         s.label: replay(
-            costs, delays, tokens, lambda bs, s=s: s, draw=draw, noise=noise
+            costs,
+            delays,
+            tokens,
+            lambda bs, s=s: s,
+            draw=draw,
+            noise=noise,
+            levels=levels,
         )
         for s in shapes
         if s in costs.step_seconds
     }
     runs["policy"] = replay_policy(
-        costs, shapes, delays, tokens, draw, noise, confirm_cheaper
+        costs, shapes, delays, tokens, draw, noise, confirm_cheaper, levels
     )
     return runs
 
@@ -340,10 +361,16 @@ def main() -> None:
             ]
         )
         return
-    load = bench_e2e.MixedLoad.parse(args.mixed_load)
-    delays, tokens = load.arrivals(args.max_new_tokens)
+    load = bench_e2e.parse_load(args.mixed_load)
+    if isinstance(load, bench_e2e.StairLoad):
+        tokens, levels = load.tokens(args.max_new_tokens), load.levels()
+        delays = [0.0] * len(tokens)
+    else:
+        (delays, tokens), levels = load.arrivals(args.max_new_tokens), None
     for draw, noise in zip(draws, noises):
-        runs = compare(costs, shapes, delays, tokens, draw, noise, confirm_cheaper)
+        runs = compare(
+            costs, shapes, delays, tokens, draw, noise, confirm_cheaper, levels
+        )
         best_label, best = max(
             ((k, r) for k, r in runs.items() if k != "policy"),
             key=lambda kv: kv[1].tok_per_s,

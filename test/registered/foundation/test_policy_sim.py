@@ -193,3 +193,39 @@ def test_the_seeds_table_prints_mean_cells_and_the_policys_worst_and_mean_ratio(
     ]
     # Means 110 / 80 / 105; the policy's ratios 0.9 and 1.0 to the best fixed shape.
     assert row.split() == ["4", "110.0", "80.0", "105.0", "0.900", "0.950"]
+
+
+def test_a_closed_loop_holds_the_batch_at_each_phases_level():
+    """levels: request i comes in once fewer than levels[i] are present, so a fixed shape's
+    steps run at exactly the phases' sizes, however long a step takes."""
+    costs = policy_sim.measured_costs(bench_rows())
+    stair = bench_e2e.StairLoad.parse("1x2,4x8,1x2")
+    tokens, levels = stair.tokens(10), stair.levels()
+    sizes = []
+
+    def chain_recording(bs):
+        sizes.append(bs)
+        return CHAIN
+
+    run = policy_sim.replay(
+        costs, [0.0] * len(tokens), tokens, chain_recording, levels=levels
+    )
+    # 10 tokens at 2.5 a step: 4 steps a request. Request 0 alone; request 1 waits for it,
+    # and with it in come three of the 4-level phase; then four more; the phase's last
+    # request runs alone, the 1-level requests after it wait for fewer than one present.
+    assert sizes == [1] * 4 + [4] * 8 + [1] * 12
+    assert run.tok_per_s == pytest.approx(
+        sum(tokens) / (16 * costs.seconds(CHAIN, 1) + 8 * costs.seconds(CHAIN, 4))
+    )
+
+
+def test_on_a_closed_loop_stair_the_policy_beats_every_fixed_shape():
+    costs = policy_sim.measured_costs(bench_rows())
+    stair = bench_e2e.StairLoad.parse("1x8,4x16,64x128,4x16,1x8")
+    tokens = stair.tokens(128)
+    runs = policy_sim.compare(
+        costs, [TREE, CHAIN, NONE], [0.0] * len(tokens), tokens, levels=stair.levels()
+    )
+    best_fixed = max(r.tok_per_s for label, r in runs.items() if label != "policy")
+    assert runs["policy"].tok_per_s > 1.05 * best_fixed
+    assert runs["policy"].steps_by_shape.keys() >= {"1,3,4", "4,3,8"}
