@@ -231,6 +231,18 @@ def compare(
     return runs
 
 
+def best_at_each_size(costs: MeasuredCosts, shapes: list[Shape]):
+    """choose(bs) of an oracle: the shape of `shapes` with the most tokens a second at bs by
+    the measured table (mean accept length over the step's price), which no policy that has
+    to learn prices can beat on the same table."""
+
+    def choose(bs: int) -> Shape:
+        priced = [s for s in shapes if s in costs.step_seconds]
+        return max(priced, key=lambda s: costs.accept_length[s] / costs.seconds(s, bs))
+
+    return choose
+
+
 def compare_batch_sizes(
     costs: MeasuredCosts,
     shapes: list[Shape],
@@ -375,10 +387,23 @@ def main() -> None:
             ((k, r) for k, r in runs.items() if k != "policy"),
             key=lambda kv: kv[1].tok_per_s,
         )
+        runs["oracle"] = replay(
+            costs,
+            delays,
+            tokens,
+            best_at_each_size(costs, shapes),
+            draw=draw,
+            noise=noise,
+            levels=levels,
+        )
         for label, run in runs.items():
             print(f"{label:>10} {run.tok_per_s:9.1f} tok/s  steps {run.steps_by_shape}")
         ratio = runs["policy"].tok_per_s / best.tok_per_s
         print(f"policy / best fixed ({best_label}): {ratio:.3f}")
+        # The oracle: the best shape at each step's size by the table, known from the start.
+        print(
+            f"policy / oracle: {runs['policy'].tok_per_s / runs['oracle'].tok_per_s:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -229,3 +229,17 @@ def test_on_a_closed_loop_stair_the_policy_beats_every_fixed_shape():
     best_fixed = max(r.tok_per_s for label, r in runs.items() if label != "policy")
     assert runs["policy"].tok_per_s > 1.05 * best_fixed
     assert runs["policy"].steps_by_shape.keys() >= {"1,3,4", "4,3,8"}
+
+
+def test_the_oracle_runs_the_best_shape_at_each_size_and_bounds_the_policy():
+    costs = policy_sim.measured_costs(bench_rows())
+    choose = policy_sim.best_at_each_size(costs, [TREE, CHAIN, NONE])
+    # narrow 3.6 / (3 + 0.25 bs) ms, chain 2.5 / (3 + 0.04 bs), none 1 / (2 + 0.01 bs)
+    assert [choose(bs) for bs in (1, 4, 64)] == [TREE, TREE, CHAIN]
+    stair = bench_e2e.StairLoad.parse("1x8,4x16,64x128,4x16,1x8")
+    tokens, delays = stair.tokens(128), [0.0] * stair.total_requests
+    oracle = policy_sim.replay(costs, delays, tokens, choose, levels=stair.levels())
+    runs = policy_sim.compare(
+        costs, [TREE, CHAIN, NONE], delays, tokens, levels=stair.levels()
+    )
+    assert all(oracle.tok_per_s >= r.tok_per_s for r in runs.values())
