@@ -1400,9 +1400,14 @@ def spread_lines(rows: list[dict], least: float = 0.10) -> list[str]:
     return lines
 
 
+# Runs of one config whose peaks differ by more than this factor ran different loads.
+PEAK_SPREAD = 1.5
+
+
 def mixed_run_lines(rows: list[dict]) -> list[str]:
-    """One line per mixed-load row: each run's tok/s with its batch at its largest."""
-    lines = []
+    """One line per mixed-load row: each run's tok/s with its batch at its largest, and a
+    last line where one config's runs peaked PEAK_SPREAD apart or more."""
+    lines, spread = [], []
     for r in rows:
         peaks = r.get("peak_in_flight_repeats")
         if r["bs"] != MIXED or not peaks:
@@ -1410,6 +1415,13 @@ def mixed_run_lines(rows: list[dict]) -> list[str]:
         runs = zip(r["tok_per_s_repeats"], peaks)
         lines.append(
             f"  {r['config']}: " + " / ".join(f"{t:.0f} at {p}" for t, p in runs)
+        )
+        if max(peaks) >= PEAK_SPREAD * max(min(peaks), 1):
+            spread.append(r["config"])
+    if spread:
+        lines.append(
+            f"  runs of {', '.join(spread)} peaked {PEAK_SPREAD}x apart or more: different "
+            "loads, not noise (a closed-loop --mixed-load LEVELxREQUESTS,... holds the sizes)"
         )
     return lines
 

@@ -589,3 +589,30 @@ def test_a_failed_start_raises_once_every_start_of_its_group_ended(timed_starts)
 
     # b's start was not abandoned: the engine group's exit can stop it.
     assert sorted(name for name, *_ in timed_starts.log) == ["engine1", "engine2"]
+
+
+def test_mixed_runs_that_peaked_far_apart_are_named_as_different_loads():
+    rows = [
+        {
+            "config": "policy",
+            "bs": bench_e2e.MIXED,
+            "tok_per_s_repeats": [5404.0, 7102.0],
+            "peak_in_flight_repeats": [39, 17],
+        },
+        {
+            "config": "chain",
+            "bs": bench_e2e.MIXED,
+            "tok_per_s_repeats": [6760.0, 5850.0],
+            "peak_in_flight_repeats": [40, 36],
+        },
+        {"config": "chain", "bs": 4, "tok_per_s_repeats": [1.0]},
+    ]
+
+    lines = bench_e2e.mixed_run_lines(rows)
+
+    assert lines[:2] == [
+        "  policy: 5404 at 39 / 7102 at 17",
+        "  chain: 6760 at 40 / 5850 at 36",
+    ]
+    assert lines[2].startswith("  runs of policy peaked 1.5x apart or more")
+    assert len(bench_e2e.mixed_run_lines(rows[1:])) == 1  # the chain's runs: one load
