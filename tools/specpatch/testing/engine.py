@@ -415,7 +415,8 @@ class GreedyRun:
     verify_count: int = 0
     meta: list[dict] = field(default_factory=list)
     # Requests in flight at once at the most, as the client saw them (arrivals_generate
-    # only): a mixed load's batch grows only as far as the engine falls behind it.
+    # and concurrency_generate only): a clock's batch grows as far as the engine falls
+    # behind it.
     peak_in_flight: Optional[int] = None
 
     @classmethod
@@ -484,24 +485,37 @@ def arrivals_generate(
     max_new_tokens[i] tokens; timed from the first arrival to the last completion."""
     import asyncio
 
-    async def arrive(
-        prompt: list[int], tokens: int, delay: float
-    ) -> tuple[dict, tuple[float, float]]:
+    async def arrive(prompt: list[int], tokens: int, delay: float) -> SentRequest:
         await asyncio.sleep(delay)
-        params = dict(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
-        sent = time.perf_counter()
-        out = await eng.async_generate(input_ids=prompt, sampling_params=params)
-        return out, (sent, time.perf_counter())
+        return await timed_send(eng, prompt, tokens)
 
-    async def all_requests() -> list[tuple[dict, tuple[float, float]]]:
+    async def all_requests() -> list[SentRequest]:
         return await asyncio.gather(
             *(arrive(*a) for a in zip(prompts, max_new_tokens, delays, strict=True))
         )
 
+    return run_on_engine_loop(eng, all_requests())
+
+
+# A request's output and its (sent, finished) times on the host's clock.
+SentRequest = tuple[dict, tuple[float, float]]
+
+
+async def timed_send(eng, prompt: list[int], tokens: int) -> SentRequest:
+    """One greedy request of `tokens` tokens, with when it was sent and when it finished."""
+    params = dict(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
+    sent = time.perf_counter()
+    out = await eng.async_generate(input_ids=prompt, sampling_params=params)
+    return out, (sent, time.perf_counter())
+
+
+def run_on_engine_loop(eng, requests) -> GreedyRun:
+    """Run the `requests` coroutine (a list of SentRequest in request order) to its end,
+    timed, and its outputs as one run with its peak in flight."""
     tic = time.perf_counter()
     # sglang's Engine runs its tokenizer manager on its own event loop (Engine.generate):
     # the thread's current loop is the last engine's where several run side by side.
-    done = eng.loop.run_until_complete(all_requests())
+    done = eng.loop.run_until_complete(requests)
     seconds = time.perf_counter() - tic
     run = GreedyRun.of_outputs([out for out, _ in done], seconds)
     run.peak_in_flight = peak_in_flight([span for _, span in done])
@@ -526,29 +540,18 @@ def concurrency_generate(
             f"{len(prompts)} prompts, {len(max_new_tokens)} lengths, {len(levels)} levels"
         )
 
-    async def send(prompt: list[int], tokens: int) -> tuple[dict, tuple[float, float]]:
-        params = dict(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
-        sent = time.perf_counter()
-        out = await eng.async_generate(input_ids=prompt, sampling_params=params)
-        return out, (sent, time.perf_counter())
-
-    async def all_requests() -> list[tuple[dict, tuple[float, float]]]:
+    async def all_requests() -> list[SentRequest]:
         tasks, in_flight = [], set()
         for prompt, tokens, level in zip(prompts, max_new_tokens, levels):
             while len(in_flight) >= level:
                 _, in_flight = await asyncio.wait(
                     in_flight, return_when=asyncio.FIRST_COMPLETED
                 )
-            tasks.append(asyncio.ensure_future(send(prompt, tokens)))
+            tasks.append(asyncio.ensure_future(timed_send(eng, prompt, tokens)))
             in_flight.add(tasks[-1])
         return await asyncio.gather(*tasks)
 
-    tic = time.perf_counter()
-    done = eng.loop.run_until_complete(all_requests())  # the engine's loop, as above
-    seconds = time.perf_counter() - tic
-    run = GreedyRun.of_outputs([out for out, _ in done], seconds)
-    run.peak_in_flight = peak_in_flight([span for _, span in done])
-    return run
+    return run_on_engine_loop(eng, all_requests())
 
 
 def peak_in_flight(spans: list[tuple[float, float]]) -> int:
