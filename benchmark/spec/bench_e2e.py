@@ -697,7 +697,9 @@ def measure_side_by_side(
         if mixed is not None and deadline.next_fits(mixed.label):
             ramp = prompts(mixed.total_requests, vocab, seed=99)
             tokens = mixed.tokens(max_new_tokens)
-            runs, usage = turns.take(lambda e: mixed.generate(e, ramp, max_new_tokens))
+            runs, usage = turns.take(
+                lambda e: mixed.generate(e, ramp, max_new_tokens), label=mixed.label
+            )
             for name in names:
                 rows.append(
                     mixed_row(
@@ -711,7 +713,9 @@ def measure_side_by_side(
             if not deadline.next_fits(f"bs {bs}"):
                 break
             batch = prompts(bs, vocab, seed=bs)
-            runs, usage = turns.take(lambda e: eng.generate(e, batch, max_new_tokens))
+            runs, usage = turns.take(
+                lambda e: eng.generate(e, batch, max_new_tokens), label=f"bs {bs}"
+            )
             firsts, _ = turns.take(lambda e: eng.generate(e, batch, 1))
             for name in names:
                 rows.append(
@@ -817,10 +821,11 @@ class Turns:
         return names[k:] + names[:k]
 
     def take(
-        self, run: Callable[[object], eng.GreedyRun]
+        self, run: Callable[[object], eng.GreedyRun], label: Optional[str] = None
     ) -> tuple[dict[str, list[eng.GreedyRun]], dict[str, scheduler_host.HostUsage]]:
         """Each engine's timed results of run(engine) in order, and its schedulers' use
-        over its own timed runs only."""
+        over its own timed runs only. With a label, each timed run's tok/s is printed as
+        it ends: a run cut by its device call's limit still shows the runs it made."""
         for name in self.order(0):  # untimed: warm-up, as timed_runs has
             run(self.engines[name])
         results = {name: [] for name in self.engines}
@@ -831,6 +836,12 @@ class Turns:
                 results[name].append(run(self.engines[name]))
                 after = scheduler_host.snapshot(self.schedulers[name])
                 usage[name] = usage[name] + after.since(before)
+                if label is not None:
+                    print(
+                        f"{label}: {name} run {i + 1}/{self.repeats} "
+                        f"{results[name][-1].tok_per_s:.0f} tok/s",
+                        flush=True,
+                    )
         return results, usage
 
 

@@ -57,6 +57,24 @@ def test_taking_turns_warms_each_engine_then_times_them_alternately(monkeypatch)
     assert usage["a"].busy == pytest.approx(1.0)
 
 
+def test_labelled_turns_print_each_timed_run_as_it_ends(monkeypatch, capsys):
+    monkeypatch.setattr(scheduler_host, "snapshot", lambda procs: HostUsage.zero())
+    turns = bench_e2e.Turns({"a": "A", "b": "B"}, {"a": [], "b": []}, 2)
+    speeds = iter([1.0, 2.0, 300.0, 400.0, 500.0, 600.0])
+
+    turns.take(
+        lambda engine: types.SimpleNamespace(tok_per_s=next(speeds)), label="bs 4"
+    )
+
+    # The untimed round prints nothing; then round 0 (a, b) and round 1 (b, a).
+    assert capsys.readouterr().out.splitlines() == [
+        "bs 4: a run 1/2 300 tok/s",
+        "bs 4: b run 1/2 400 tok/s",
+        "bs 4: b run 2/2 500 tok/s",
+        "bs 4: a run 2/2 600 tok/s",
+    ]
+
+
 def test_host_usage_sums_intervals_from_zero():
     one = HostUsage(cpu_s=1.5, preemptions=3, wall_s=2.0, waits=4)
     two = HostUsage(cpu_s=0.5, preemptions=1, wall_s=1.0, waits=0)
