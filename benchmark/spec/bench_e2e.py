@@ -575,20 +575,24 @@ def start_engines(
     start: Callable[..., object],
     settings: dict[str, dict],
     envs: dict[str, dict[str, str]],
-    together: bool = False,
+    threads: Optional[contextlib.ExitStack] = None,
 ) -> dict[str, tuple[object, float, list]]:
     """name -> (engine, seconds its start took, its scheduler processes), in `settings`'
     order: each engine started by start(**settings[name]) with envs[name] set.
 
-    One after another by default. With `together`, the engines of configs with the same env
+    One after another by default. With `threads`, the engines of configs with the same env
     start at once, a thread each (an Engine's start-up is mostly a wait on its scheduler
     process, which imports, loads and captures on its own), one env group after another: a
     scheduler reads this process's env when it is spawned. Which scheduler is whose comes
     from each engine's child pids there (one after another: the processes that are new).
+
+    `threads` must close only after the engines have stopped: it holds the threads the
+    engines started in, and sglang's schedulers ask the kernel for a SIGKILL when the
+    thread that spawned them ends (PR_SET_PDEATHSIG is per thread, not per process).
     """
     groups: dict[tuple, list[str]] = {}
     for name in settings:
-        key = tuple(sorted(envs[name].items())) if together else (name,)
+        key = tuple(sorted(envs[name].items())) if threads is not None else (name,)
         groups.setdefault(key, []).append(name)
 
     def start_one(name: str) -> tuple[object, float]:
@@ -604,12 +608,12 @@ def start_engines(
             if len(group) == 1:
                 results = [start_one(group[0])]
             else:
-                with ThreadPoolExecutor(len(group)) as pool:
-                    # Every start runs to its end before a failure is raised: the engine
-                    # group's exit then stops every engine, started or half started.
-                    futures = [pool.submit(start_one, name) for name in group]
-                    wait(futures)
-                    results = [f.result() for f in futures]
+                pool = threads.enter_context(ThreadPoolExecutor(len(group)))
+                # Every start runs to its end before a failure is raised: the engine
+                # group's exit then stops every engine, started or half started.
+                futures = [pool.submit(start_one, name) for name in group]
+                wait(futures)
+                results = [f.result() for f in futures]
         for name, (engine, seconds) in zip(group, results):
             if len(group) == 1:
                 earlier = {p for _, _, procs in started.values() for p in procs}
@@ -654,7 +658,7 @@ def measure_side_by_side(
     py-spy samples each config's schedulers over the runs (specpatch.testing.stack_sampler),
     from the CPUs the schedulers are not on. With a deadline, a load (the mixed one, then
     each batch size) that would not end in time is not started, nor any after it. With
-    start_together, engines start as start_engines(together=True) starts them."""
+    start_together, engines start as start_engines(threads=...) starts them."""
     speeds = vcpu_speed.speed_map(HOST_CPUS)
     settings: dict[str, dict] = {}
     for name in names:
@@ -668,10 +672,17 @@ def measure_side_by_side(
         )
         settings[name] = kwargs | {"sleep_on_idle": True}
     envs = {n: CONFIGS[split_config(n, attention_backend)[0]][1] for n in names}
-    with eng.engine_group() as start, contextlib.ExitStack() as sampling:
+    # The threads engines start in end after the engines stop (start_engines).
+    with (
+        contextlib.ExitStack() as threads,
+        eng.engine_group() as start,
+        contextlib.ExitStack() as sampling,
+    ):
         if start_together:  # engines started in threads install no SIGQUIT handler
             sampling.enter_context(eng.sigquit_kills_children())
-        started = start_engines(start, settings, envs, start_together)
+        started = start_engines(
+            start, settings, envs, threads if start_together else None
+        )
         engines = {name: e for name, (e, _, _) in started.items()}
         start_s = {name: seconds for name, (_, seconds, _) in started.items()}
         schedulers = {name: procs for name, (_, _, procs) in started.items()}

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import os
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -546,7 +547,8 @@ def test_start_together_starts_each_env_group_at_once(timed_starts):
     settings = {n: {"name": f"engine{i + 1}"} for i, n in enumerate("abc")}
     envs = {"a": {}, "b": {"SPEC_X": "1"}, "c": {}}
 
-    started = bench_e2e.start_engines(timed_starts.start, settings, envs, together=True)
+    with contextlib.ExitStack() as threads:
+        started = bench_e2e.start_engines(timed_starts.start, settings, envs, threads)
 
     assert list(started) == ["a", "b", "c"]  # settings' order, not the start order
     assert [e for e, _, _ in started.values()] == ["engine1", "engine2", "engine3"]
@@ -594,15 +596,76 @@ def test_engines_start_one_after_another_by_default(timed_starts, monkeypatch):
     }
 
 
+def test_the_threads_engines_start_in_live_until_the_stack_closes(timed_starts):
+    # sglang's schedulers are SIGKILLed when the thread that spawned them ends
+    # (PR_SET_PDEATHSIG): the threads must not end when their group has started.
+    settings = {n: {"name": f"engine{i + 1}"} for i, n in enumerate("ab")}
+    spawners = []
+
+    def start(**kwargs):
+        spawners.append(threading.current_thread())
+        return timed_starts.start(**kwargs)
+
+    with contextlib.ExitStack() as threads:
+        bench_e2e.start_engines(start, settings, {"a": {}, "b": {}}, threads)
+        assert len(set(spawners)) == 2
+        assert threading.main_thread() not in spawners
+        assert all(t.is_alive() for t in spawners)
+    assert not any(t.is_alive() for t in spawners)
+
+
+def test_engines_started_together_stop_before_their_threads_end(
+    engines_without_a_gpu, monkeypatch
+):
+    spawners, alive_at_stop, lock = [], [], threading.Lock()
+    both_starting = threading.Barrier(2, timeout=10)  # as real starts overlap
+
+    @contextlib.contextmanager
+    def engine_group():
+        def start(**kwargs):
+            both_starting.wait()
+            with lock:
+                spawners.append(threading.current_thread())
+                return StartedEngine(f"engine{len(spawners)}")
+
+        yield start
+        alive_at_stop.extend(t.is_alive() for t in spawners)
+
+    monkeypatch.setattr(bench_e2e.eng, "engine_group", engine_group)
+    monkeypatch.setattr(
+        scheduler_host,
+        "scheduler_processes",
+        lambda: [FakeProcess(10), FakeProcess(20)],
+    )
+
+    bench_e2e.measure_side_by_side(
+        Path("/t"),
+        Path("/d"),
+        ["none", "policy"],
+        [4],
+        8,
+        100,
+        repeats=1,
+        start_together=True,
+    )
+
+    assert threading.main_thread() not in spawners and len(set(spawners)) == 2
+    assert alive_at_stop == [True, True]  # the engines stopped with their threads up
+    assert not any(t.is_alive() for t in spawners)
+
+
 def test_a_failed_start_raises_once_every_start_of_its_group_ended(timed_starts):
     settings = {
         "a": {"name": "engine1", "fail": True},
         "b": {"name": "engine2"},
     }
 
-    with pytest.raises(RuntimeError, match="engine1 failed to start"):
+    with (
+        contextlib.ExitStack() as threads,
+        pytest.raises(RuntimeError, match="engine1 failed to start"),
+    ):
         bench_e2e.start_engines(
-            timed_starts.start, settings, {"a": {}, "b": {}}, together=True
+            timed_starts.start, settings, {"a": {}, "b": {}}, threads
         )
 
     # b's start was not abandoned: the engine group's exit can stop it.
