@@ -705,7 +705,9 @@ def measure_side_by_side(
         specs = {n: CONFIGS[split_config(n, attention_backend)[0]][0] for n in names}
         rows = []
         deadline = deadline or Deadline(None)
-        if mixed is not None and deadline.next_fits(mixed.label):
+        if mixed is not None and deadline.next_fits(
+            mixed.label, "mixed", sum(mixed.tokens(max_new_tokens))
+        ):
             ramp = prompts(mixed.total_requests, vocab, seed=99)
             tokens = mixed.tokens(max_new_tokens)
             runs, usage = turns.take(
@@ -721,7 +723,7 @@ def measure_side_by_side(
                 )
                 print_row(rows[-1])
         for bs in batch_sizes:
-            if not deadline.next_fits(f"bs {bs}"):
+            if not deadline.next_fits(f"bs {bs}", "batch", bs * max_new_tokens):
                 break
             batch = prompts(bs, vocab, seed=bs)
             runs, usage = turns.take(
@@ -782,9 +784,12 @@ def live_tokens(
 class Deadline:
     """When a side-by-side run stops starting loads: `limit_s` seconds after it was made (None:
     never). Each load is assumed to take as long as the one before it (the mixed load, then
-    batch sizes in growing order), so one that would end past the limit is not started: a
+    batch sizes in the order given), so one that would end past the limit is not started: a
     device call's time limit otherwise kills the run, its table and what the call does after
-    it."""
+    it. The first batch size after a mixed load is assumed to take as long per generated
+    token as that load did: a closed-loop load of minutes would otherwise leave no batch
+    size room after it. That guess runs short where the batch is small (a bs-1 load made
+    several times slower per token than a mixed load's average), so keep a margin."""
 
     def __init__(
         self, limit_s: Optional[float], clock: Callable[[], float] = time.monotonic
@@ -792,23 +797,31 @@ class Deadline:
         self._clock = clock
         self._end = None if limit_s is None else clock() + limit_s
         self._previous_start: Optional[float] = None
+        self._previous: Optional[tuple[str, int]] = (
+            None  # (kind, tokens) of the last load
+        )
         self._previous_s = 0.0
         self.expired = False
 
-    def next_fits(self, label: str) -> bool:
-        """Called as each load is about to start; False (and every later call False, with
-        one printed line) once this one would end past the limit."""
+    def next_fits(self, label: str, kind: str = "batch", tokens: int = 1) -> bool:
+        """Called as each load is about to start, with its kind ("mixed" or "batch") and the
+        tokens one run of it generates; False (and every later call False, with one printed
+        line) once this one would end past the limit."""
         now = self._clock()
         if self._previous_start is not None:
             self._previous_s = now - self._previous_start
+        estimate_s = self._previous_s
+        if self._previous is not None and self._previous[0] != kind:
+            estimate_s *= tokens / self._previous[1]
         self._previous_start = now
+        self._previous = (kind, tokens)
         if self._end is not None and not self.expired:
-            self.expired = now + self._previous_s > self._end
+            self.expired = now + estimate_s > self._end
             if self.expired:
                 print(
                     f"--time-limit: {label} and the loads after it not measured "
-                    f"({self._end - now:.0f} s left, the last load took "
-                    f"{self._previous_s:.0f} s)",
+                    f"({self._end - now:.0f} s left, {label} would take about "
+                    f"{estimate_s:.0f} s)",
                     flush=True,
                 )
         return not self.expired

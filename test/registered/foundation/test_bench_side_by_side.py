@@ -428,8 +428,24 @@ def test_a_deadline_cuts_at_the_first_load_that_would_pass_it(capsys):
     assert not deadline.next_fits("bs 48")  # and nothing after it
     out = capsys.readouterr().out
     assert out == (
-        "--time-limit: bs 16 and the loads after it not measured (25 s left, the last "
-        "load took 35 s)\n"
+        "--time-limit: bs 16 and the loads after it not measured (25 s left, bs 16 "
+        "would take about 35 s)\n"
+    )
+
+
+def test_the_first_batch_size_after_a_mixed_load_is_priced_per_token(capsys):
+    # The mixed load (64000 tokens a run) starts at 10 and takes 200 s; bs 1 (128 tokens)
+    # at 210 would take 0.4 s by its tokens, not 200: it fits 300; bs 4 at 240 takes as
+    # long as bs 1 did (30 s): 270 fits; bs 16 at 280 + 40 does not.
+    deadline = bench_e2e.Deadline(300, clock=FakeClock(0, 10, 210, 240, 280))
+
+    assert deadline.next_fits("mixed", "mixed", 64000)
+    assert deadline.next_fits("bs 1", "batch", 128)
+    assert deadline.next_fits("bs 4", "batch", 512)
+    assert not deadline.next_fits("bs 16", "batch", 2048)
+    assert capsys.readouterr().out == (
+        "--time-limit: bs 16 and the loads after it not measured (20 s left, bs 16 "
+        "would take about 40 s)\n"
     )
 
 
