@@ -412,6 +412,10 @@ def engine_settings(
         given = (
             NONE_V2_POLICY if config == NONE_V2 else policy_chain_config(POLICY_SHAPES)
         )
+        if (
+            POLICY_TRACE[0] is not None
+        ):  # its steps beside the policy's: TRACE.policy-chain
+            given = given | {"trace": f"{POLICY_TRACE[0]}.{config}"}
         path = Path(tempfile.mkdtemp()) / f"{config}.json"
         path.write_text(json.dumps(given))
         extra.update(speculative_adaptive=True, speculative_adaptive_config=str(path))

@@ -796,6 +796,15 @@ def test_policy_chain_carries_the_set_and_runs_only_the_chain(monkeypatch):
     chosen = [policy.choose(bs) for bs in [1, 48, 64, 4, 16, 128] * 300]
     assert set(chosen[1:]) == {Shape(1, 3, 4)}, set(chosen)
     assert not bench_e2e.is_fixed_shape_like("policy-chain", "policy")
+    assert "trace" not in json.loads(Path(path).read_text())
+    # With --policy-trace, its own trace beside the policy's.
+    monkeypatch.setattr(bench_e2e, "POLICY_TRACE", ["/tmp/trace.jsonl"])
+    traced = bench_e2e.engine_settings(
+        Path("/t"), Path("/d"), "policy-chain", [1], "triton"
+    )
+    given = json.loads(Path(traced["speculative_adaptive_config"]).read_text())
+    assert given["trace"] == "/tmp/trace.jsonl.policy-chain"
+    assert bench_e2e.NONE_V2_POLICY.get("trace") is None  # the shared dict untouched
     with pytest.raises(ValueError, match="runs the chain"):
         bench_e2e.policy_chain_config(["16,3,32", "none"])
 
