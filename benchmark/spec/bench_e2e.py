@@ -16,7 +16,8 @@ end in @BACKEND to run that config on another attention backend than --attention
 (tree@flashinfer,tree-v1@flashinfer,tree@triton), and then in :PAGE to run it with
 --page-size PAGE (tree@fa3:16,tree-v1@fa3:16; page size 1 without it). With both tree and tree-v1 (and chain)
 measured, it also prints tree v2 / v1 tok/s and tree / chain accept length per batch size;
---ratios A/B,C/D prints tok/s ratios of any measured pairs. --replot results.json redraws
+--ratios A/B,C/D prints tok/s ratios of any measured pairs (side by side, also each round's
+pair of runs). --replot results.json redraws
 the PNG only. Every greedy output is checked against the target's successor table (each row's
 "diverged": requests that left it), and the run prints one token-identity line.
 
@@ -1180,7 +1181,8 @@ def main() -> None:
     parser.add_argument(
         "--ratios",
         default="",
-        help="A/B,C/D: print tok/s of config A over config B per bs",
+        help="A/B,C/D: print tok/s of config A over config B per bs (with --side-by-side, "
+        "also run i of A over run i of B, each round's pair)",
     )
     parser.add_argument(
         "--replot", help="results.json of an earlier run: only draw --png"
@@ -1366,6 +1368,9 @@ def main() -> None:
     for pair in filter(None, args.ratios.split(",")):
         num, den = pair.split("/")
         print_pair_ratios(rows, num, den, "tok_per_s", f"{num} / {den} tok/s")
+        turns = turn_ratio_line(rows, num, den)
+        if turns:
+            print(turns)
     if args.write_policy_config:
         write_policy_config(
             rows, POLICY_SHAPES, args.attention_backend, args.write_policy_config
@@ -1623,6 +1628,41 @@ def print_pair_ratios(
             + ": "
             + ", ".join(f"bs {a['bs']} {a[key] / b[key]:.2f}x" for a, b in pairs)
         )
+
+
+def turn_ratios(rows: list[dict], num: str, den: str) -> dict:
+    """bs -> num / den tok/s of each turn of a side-by-side run: run i of one engine over
+    run i of the other, both from round i (Turns), minutes apart at most. Best of N picks
+    each config's luckiest run, and two configs' best runs can come from different rounds;
+    pairs from one round share the host's state at the time, so their ratios show whether
+    one config is ahead run after run or only in its best run."""
+    out = {}
+    for a in rows:
+        if a["config"] != num or not a.get("side_by_side"):
+            continue
+        b = next((x for x in rows if x["config"] == den and x["bs"] == a["bs"]), None)
+        if b is None or not b.get("side_by_side"):
+            continue
+        pairs = zip(a.get("tok_per_s_repeats") or (), b.get("tok_per_s_repeats") or ())
+        ratios = [x / y for x, y in pairs]
+        if ratios:
+            out[a["bs"]] = ratios
+    return out
+
+
+def turn_ratio_line(rows: list[dict], num: str, den: str) -> Optional[str]:
+    """One line of turn_ratios: each turn's ratio, their median and how many are above 1."""
+    ratios = turn_ratios(rows, num, den)
+    if not ratios:
+        return None
+    cells = []
+    for bs, values in ratios.items():
+        wins = sum(v > 1 for v in values)
+        cells.append(
+            f"bs {bs} [{' '.join(f'{v:.2f}' for v in values)}] median "
+            f"{statistics.median(values):.2f}, {wins} of {len(values)} above 1"
+        )
+    return f"{num} / {den} tok/s, each turn's pair: " + "; ".join(cells)
 
 
 def plot(rows: list[dict], names: list[str], png: str, title: str) -> None:

@@ -746,6 +746,37 @@ def test_spread_lines_name_cells_whose_runs_or_engines_disagree():
     ]
 
 
+def test_turn_ratios_pair_the_runs_of_each_side_by_side_round():
+    side = ["policy", "chain"]
+    rows = [
+        {
+            "config": "policy",
+            "bs": "mixed",
+            "side_by_side": side,
+            "tok_per_s_repeats": [3000.0, 2700.0, 3300.0],
+        },
+        {
+            "config": "chain",
+            "bs": "mixed",
+            "side_by_side": side,
+            "tok_per_s_repeats": [2500.0, 3000.0, 3000.0],
+        },
+        # one engine after another: run i of each is not from one round, no pairs
+        {"config": "policy", "bs": 1, "tok_per_s_repeats": [500.0, 510.0]},
+        {"config": "chain", "bs": 1, "tok_per_s_repeats": [400.0, 410.0]},
+    ]
+
+    assert bench_e2e.turn_ratios(rows, "policy", "chain") == {
+        "mixed": [pytest.approx(1.2), pytest.approx(0.9), pytest.approx(1.1)]
+    }
+    # the best runs say 1.10x; the turns say the policy led in two of three
+    assert bench_e2e.turn_ratio_line(rows, "policy", "chain") == (
+        "policy / chain tok/s, each turn's pair: "
+        "bs mixed [1.20 0.90 1.10] median 1.10, 2 of 3 above 1"
+    )
+    assert bench_e2e.turn_ratio_line(rows, "policy", "none") is None
+
+
 def test_a_cell_records_every_timed_run_of_its_engine(monkeypatch):
     runs = iter([5.0, 2.0, 4.0])  # seconds of the warm-up, then two timed runs
 
