@@ -1,0 +1,133 @@
+"""benchmark/spec/bench_verify_gemm.py and its Triton kernel (few_row_gemm.py): the kernel
+against its plain-torch reference (few_row_gemm_cases.py) through triton's interpreter and on
+CUDA, every tiling compiled for sm_90, and the benchmark's layer table and summaries."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import few_row_gemm_cases as cases
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
+import bench_verify_gemm as bench  # noqa: E402
+import few_row_gemm  # noqa: E402
+
+from specpatch.testing.interpret import interpreter_suite  # noqa: E402
+from specpatch.testing.sm90_compile import launches_compile_for_sm90  # noqa: E402
+from specpatch.testing.synth import PRESETS  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+IDS = [c.name for c in cases.CASES]
+
+interpreter_run, test_under_interpreter = interpreter_suite(
+    HERE / "few_row_gemm_cases.py",
+    [f"test_kernel_matches_reference[{name}]" for name in IDS],
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", cases.CASES, ids=IDS)
+def test_kernel_matches_reference_on_cuda(case):
+    cases.check(case, "cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_kernel_matches_reference_on_a_7b_layer_on_cuda():
+    # The 7.24B target's down_proj (14336 -> 4096) over tree 16,3,32's rows at bs 4.
+    cases.check(
+        cases.Case("llama8b-down-128", 128, 4096, 14336), "cuda", torch.bfloat16
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 128, 512])
+def test_every_tiling_compiles_for_sm90(rows):
+    """Triton's compiler, which the interpreter does not run, takes each tiling with the
+    types a bf16 layer passes."""
+    x = torch.zeros(rows, 256, dtype=torch.bfloat16)
+    weight = torch.zeros(96, 256, dtype=torch.bfloat16)
+    tilings = few_row_gemm.tilings_for(rows)
+    with launches_compile_for_sm90() as compiled:
+        for tiling in tilings:
+            few_row_gemm.few_row_linear(x, weight, tiling)
+    assert compiled == ["_few_row_gemm_kernel"] * len(tilings)
+
+
+@pytest.mark.parametrize(
+    "rows,block_m", [(1, 16), (16, 16), (17, 32), (128, 128), (512, 128)]
+)
+def test_one_row_tile_covers_up_to_128_rows(rows, block_m):
+    tilings = few_row_gemm.tilings_for(rows)
+    assert tilings and {t.block_m for t in tilings} == {block_m}
+    # narrow column tiles: a 4096-column layer gets at least 64 CTAs per row tile
+    assert all(4096 // t.block_n >= 64 for t in tilings)
+
+
+def test_the_7b_targets_layers_are_llama_3_8bs():
+    shapes = {s.name: s for s in bench.layer_shapes(PRESETS["llama8b"])}
+
+    assert {
+        n: (s.out_features, s.in_features, s.per_forward) for n, s in shapes.items()
+    } == {
+        "qkv_proj": (6144, 4096, 32),  # 32 query heads and 2 x 8 KV heads of 128
+        "o_proj": (4096, 4096, 32),
+        "gate_up_proj": (28672, 4096, 32),
+        "down_proj": (4096, 14336, 32),
+        "lm_head": (32000, 4096, 1),
+    }
+    # about 7B parameters in the GEMMs of one forward, read once each
+    weights = sum(s.weight_bytes * s.per_forward for s in shapes.values())
+    assert 13.9e9 < weights < 14.3e9
+
+
+def _rows(backend: str, rows: int, us_per_layer: dict) -> list[dict]:
+    return [
+        {"layer": name, "rows": rows, "backend": backend, "us": us}
+        for name, us in us_per_layer.items()
+    ]
+
+
+SMALL = [
+    bench.LayerShape("a", 64, 32, 3),
+    bench.LayerShape("head", 128, 32, 1),
+]
+
+
+def test_a_forward_sums_each_layer_times_its_count():
+    rows = [
+        *_rows("torch", 4, {"a": 10.0, "head": 5.0}),
+        *_rows("torch", 128, {"a": 12.0, "head": 6.0}),
+        *_rows("triton", 128, {"a": 9.0, "head": 6.0}),
+        *_rows("cublaslt", 128, {"a": 11.0}),  # its head not timed: no total
+    ]
+
+    assert bench.forward_totals(rows, SMALL) == {
+        ("torch", 4): 35.0,
+        ("torch", 128): 42.0,
+        ("triton", 128): 33.0,
+    }
+
+
+def test_the_summaries_compare_row_counts_and_backends():
+    totals = {("torch", 4): 35.0, ("torch", 128): 42.0, ("triton", 128): 33.0}
+    weights = sum(s.weight_bytes * s.per_forward for s in SMALL)  # 28672 bytes
+
+    assert bench.total_lines(totals, [4, 128], SMALL) == [
+        f"  torch: 4 rows 35 us ({weights / 35e6:.2f} TB/s, 1.00x); "
+        f"128 rows 42 us ({weights / 42e6:.2f} TB/s, 1.20x)",
+        # no 4-row time to compare with
+        f"  triton: 128 rows 33 us ({weights / 33e6:.2f} TB/s)",
+    ]
+    assert bench.best_over_libraries(totals, [4, 128]) == ["  128 rows: triton 0.786"]
+
+
+def test_an_unknown_backend_names_the_flag(monkeypatch, capsys):
+    monkeypatch.setattr(
+        sys, "argv", ["bench_verify_gemm.py", "--backends", "torch,cutlass"]
+    )
+
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--backends: unknown ['cutlass']" in capsys.readouterr().err
