@@ -156,6 +156,33 @@ def time_us_with_library(
         torch.backends.cuda.preferred_blas_library(previous)
 
 
+def time_best_tiling(x, weights: list, want, copies: int, iters: int):
+    """(microseconds, tiling label) of few_row_gemm's fastest tiling on x and the weight
+    copies, or None if none computes `want`; a tiling that computes wrong is printed, and is
+    no candidate."""
+    import few_row_gemm
+    import torch
+
+    best: Optional[tuple[float, str]] = None
+    for tiling in few_row_gemm.tilings_for(x.shape[0]):
+        got = few_row_gemm.few_row_linear(x, weights[0], tiling)
+        if not torch.allclose(got.float(), want.float(), atol=5e-2, rtol=1e-2):
+            err = (got.float() - want.float()).abs().max().item()
+            print(
+                f"  few_row_gemm {tiling.label}: WRONG (off by {err:.3g})", flush=True
+            )
+            continue
+        us = time_us(
+            lambda i: few_row_gemm.few_row_linear(x, weights[i], tiling),
+            copies,
+            iters,
+            torch,
+        )
+        if best is None or us < best[0]:
+            best = (us, tiling.label)
+    return best
+
+
 def measure(
     shapes: Iterable[LayerShape],
     row_counts: list[int],
@@ -185,23 +212,7 @@ def measure(
             for backend in backends:
                 row = {"layer": shape.name, "rows": m, "backend": backend}
                 if backend == "triton":
-                    best: Optional[tuple[float, str]] = None
-                    for tiling in few_row_gemm.tilings_for(m):
-                        got = few_row_gemm.few_row_linear(x, weights[0], tiling)
-                        if not torch.allclose(
-                            got.float(), want.float(), atol=5e-2, rtol=1e-2
-                        ):
-                            continue  # a tiling that computes wrong is no candidate
-                        us = time_us(
-                            lambda i, t=tiling: few_row_gemm.few_row_linear(
-                                x, weights[i], t
-                            ),
-                            copies,
-                            iters,
-                            torch,
-                        )
-                        if best is None or us < best[0]:
-                            best = (us, tiling.label)
+                    best = time_best_tiling(x, weights, want, copies, iters)
                     if best is None:
                         continue
                     row |= {"us": best[0], "tiling": best[1]}

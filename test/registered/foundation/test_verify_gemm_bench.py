@@ -131,3 +131,25 @@ def test_an_unknown_backend_names_the_flag(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert "--backends: unknown ['cutlass']" in capsys.readouterr().err
+
+
+def test_the_fastest_tiling_that_computes_right_is_kept(monkeypatch, capsys):
+    x, weight = torch.ones(4, 8), torch.ones(16, 8)
+    want = few_row_gemm.reference_linear(x, weight)
+    tilings = few_row_gemm.tilings_for(4)
+    wrong, fastest = tilings[0], tilings[1]
+    calls = []
+
+    def linear(x, w, tiling):
+        calls.append(tiling)
+        return want + 1 if tiling == wrong else want
+
+    def time_us(call, copies, iters, torch_mod):
+        call(0)  # the call under time is the tiling's own
+        return 1.0 if calls[-1] == fastest else 2.0
+
+    monkeypatch.setattr(few_row_gemm, "few_row_linear", linear)
+    monkeypatch.setattr(bench, "time_us", time_us)
+
+    assert bench.time_best_tiling(x, [weight], want, 1, 1) == (1.0, fastest.label)
+    assert f"few_row_gemm {wrong.label}: WRONG (off by 1)" in capsys.readouterr().out
