@@ -1587,6 +1587,33 @@ def policy_ratios(
 MEDIAN_RUNS = 3
 
 
+def policy_round_margins(rows: list[dict], policy: str = "policy") -> dict:
+    """Per bs, side by side: in each round, the policy's run over the best fixed shape's run
+    of that round (run i of every engine comes from round i, Turns). #24's mixed-load target
+    is "more than every fixed shape"; a margin above 1 in every round says so of the runs,
+    not only of each config's luckiest one. {bs: [margin per round]}."""
+    out = {}
+    for r in rows:
+        if r["config"] != policy or not r.get("side_by_side"):
+            continue
+        fixed = [
+            x["tok_per_s_repeats"]
+            for x in rows
+            if x["bs"] == r["bs"]
+            and x.get("side_by_side")
+            and x.get("tok_per_s_repeats")
+            and is_fixed_shape_like(x["config"], policy)
+        ]
+        runs = r.get("tok_per_s_repeats") or []
+        if fixed and runs:
+            out[r["bs"]] = [
+                run / max(f[i] for f in fixed)
+                for i, run in enumerate(runs)
+                if all(i < len(f) for f in fixed)
+            ]
+    return out
+
+
 def print_policy_ratios(rows: list[dict]) -> None:
     medians = all(len(r.get("tok_per_s_repeats") or ()) >= MEDIAN_RUNS for r in rows)
     for policy in POLICY_STEP_TIME:
@@ -1596,6 +1623,15 @@ def print_policy_ratios(rows: list[dict]) -> None:
             if medians:
                 print_one_policy_ratios(
                     policy, policy_ratios(rows, policy, median_run), "median runs"
+                )
+        margins = policy_round_margins(rows, policy)
+        if margins:
+            print(f"{policy} over the round's best fixed shape, each round:")
+            for bs, values in margins.items():
+                above = sum(v > 1 for v in values)
+                print(
+                    f"  bs {bs} [{' '.join(f'{v:.2f}' for v in values)}], "
+                    f"above 1 in {above} of {len(values)}"
                 )
 
 

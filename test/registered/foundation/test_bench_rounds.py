@@ -330,6 +330,39 @@ def test_each_policy_config_gets_its_own_ratios(capsys):
     assert "median runs" not in out  # one run per engine: nothing more to compare
 
 
+def test_each_round_compares_the_policy_with_that_rounds_best_fixed_shape(capsys):
+    side = ["policy", "chain", "narrow", "none"]
+
+    def runs(config, values):
+        return {
+            "config": config,
+            "bs": "mixed",
+            "tok_per_s": max(values),
+            "tok_per_s_repeats": values,
+            "side_by_side": side,
+        }
+
+    rows = [
+        runs("policy", [3000.0, 2900.0, 3300.0]),
+        runs("chain", [2800.0, 3000.0, 3100.0]),
+        runs("narrow", [2900.0, 2600.0, 3200.0]),
+        runs("none", [5000.0, 5000.0, 5000.0]),  # not a shape the policy chooses among
+    ]
+
+    margins = bench_e2e.policy_round_margins(rows)
+
+    # round 1: narrow's 2900 is the best fixed; round 2: chain's 3000; round 3: narrow's 3200
+    assert margins == {
+        "mixed": [
+            pytest.approx(3000 / 2900),
+            pytest.approx(2900 / 3000),
+            pytest.approx(3300 / 3200),
+        ]
+    }
+    bench_e2e.print_policy_ratios(rows)
+    assert "  bs mixed [1.03 0.97 1.03], above 1 in 2 of 3" in capsys.readouterr().out
+
+
 def test_policy_ratios_compare_with_no_speculation_and_the_best_fixed_shape():
     rows = [
         row("none", 1, 100.0),
