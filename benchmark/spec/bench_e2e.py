@@ -1628,11 +1628,7 @@ def print_policy_ratios(rows: list[dict]) -> None:
         if margins:
             print(f"{policy} over the round's best fixed shape, each round:")
             for bs, values in margins.items():
-                above = sum(v > 1 for v in values)
-                print(
-                    f"  bs {bs} [{' '.join(f'{v:.2f}' for v in values)}], "
-                    f"above 1 in {above} of {len(values)}"
-                )
+                print(f"  bs {bs} {rounds_cell(values)}")
 
 
 def print_one_policy_ratios(policy: str, ratios: dict, runs: str = "best runs") -> None:
@@ -1691,14 +1687,17 @@ def turn_ratio_line(rows: list[dict], num: str, den: str) -> Optional[str]:
     ratios = turn_ratios(rows, num, den)
     if not ratios:
         return None
-    cells = []
-    for bs, values in ratios.items():
-        wins = sum(v > 1 for v in values)
-        cells.append(
-            f"bs {bs} [{' '.join(f'{v:.2f}' for v in values)}] median "
-            f"{statistics.median(values):.2f}, {wins} of {len(values)} above 1"
-        )
+    cells = [f"bs {bs} {rounds_cell(values)}" for bs, values in ratios.items()]
     return f"{num} / {den} tok/s, each turn's pair: " + "; ".join(cells)
+
+
+def rounds_cell(ratios: list[float]) -> str:
+    """One ratio per round, their median and how many rounds are above 1."""
+    wins = sum(v > 1 for v in ratios)
+    return (
+        f"[{' '.join(f'{v:.2f}' for v in ratios)}] median "
+        f"{statistics.median(ratios):.2f}, {wins} of {len(ratios)} above 1"
+    )
 
 
 def plot(rows: list[dict], names: list[str], png: str, title: str) -> None:

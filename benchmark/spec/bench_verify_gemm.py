@@ -30,6 +30,10 @@ from typing import Callable, Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
+import few_row_gemm  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
 from specpatch.testing.synth import PRESETS, TargetSpec  # noqa: E402
 
 # "torch": F.linear as sglang calls it; "cublas", "cublaslt": the same with
@@ -126,13 +130,13 @@ def best_over_libraries(totals: dict[tuple, float], row_counts: list[int]) -> li
 # ---------------------------------------------------------------------------- on the GPU
 
 
-def time_us(call: Callable[[int], object], copies: int, iters: int, torch_mod) -> float:
+def time_us(call: Callable[[int], object], copies: int, iters: int) -> float:
     """Mean microseconds of call(i) (i cycling over the weight copies), after a warm-up."""
     for i in range(copies):
         call(i)
-    torch_mod.cuda.synchronize()
-    start = torch_mod.cuda.Event(enable_timing=True)
-    end = torch_mod.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(iters):
         call(i % copies)
@@ -145,13 +149,11 @@ def time_us_with_library(
     backend: str, call: Callable[[int], object], copies: int, iters: int
 ) -> float:
     """time_us of call with torch's BLAS library forced to `backend` ("torch": as it is)."""
-    import torch
-
     previous = torch.backends.cuda.preferred_blas_library()
     if backend != "torch":
         torch.backends.cuda.preferred_blas_library(backend)
     try:
-        return time_us(call, copies, iters, torch)
+        return time_us(call, copies, iters)
     finally:
         torch.backends.cuda.preferred_blas_library(previous)
 
@@ -160,9 +162,6 @@ def time_best_tiling(x, weights: list, want, copies: int, iters: int):
     """(microseconds, tiling label) of few_row_gemm's fastest tiling on x and the weight
     copies, or None if none computes `want`; a tiling that computes wrong is printed, and is
     no candidate."""
-    import few_row_gemm
-    import torch
-
     best: Optional[tuple[float, str]] = None
     for tiling in few_row_gemm.tilings_for(x.shape[0]):
         got = few_row_gemm.few_row_linear(x, weights[0], tiling)
@@ -176,7 +175,6 @@ def time_best_tiling(x, weights: list, want, copies: int, iters: int):
             lambda i: few_row_gemm.few_row_linear(x, weights[i], tiling),
             copies,
             iters,
-            torch,
         )
         if best is None or us < best[0]:
             best = (us, tiling.label)
@@ -189,10 +187,6 @@ def measure(
     backends: list[str],
     iters: int,
 ) -> list[dict]:
-    import few_row_gemm
-    import torch
-    import torch.nn.functional as F
-
     rows = []
     for shape in shapes:
         copies = max(2, math.ceil(ROTATION_BYTES / shape.weight_bytes))

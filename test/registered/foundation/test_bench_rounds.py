@@ -360,7 +360,10 @@ def test_each_round_compares_the_policy_with_that_rounds_best_fixed_shape(capsys
         ]
     }
     bench_e2e.print_policy_ratios(rows)
-    assert "  bs mixed [1.03 0.97 1.03], above 1 in 2 of 3" in capsys.readouterr().out
+    assert (
+        "  bs mixed [1.03 0.97 1.03] median 1.03, 2 of 3 above 1"
+        in capsys.readouterr().out
+    )
 
 
 def test_policy_ratios_compare_with_no_speculation_and_the_best_fixed_shape():

@@ -144,7 +144,7 @@ def test_the_fastest_tiling_that_computes_right_is_kept(monkeypatch, capsys):
         calls.append(tiling)
         return want + 1 if tiling == wrong else want
 
-    def time_us(call, copies, iters, torch_mod):
+    def time_us(call, copies, iters):
         call(0)  # the call under time is the tiling's own
         return 1.0 if calls[-1] == fastest else 2.0
 
