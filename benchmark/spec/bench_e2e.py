@@ -675,7 +675,10 @@ def measure_side_by_side(
             kwargs["max_total_tokens"],
             max(MIN_SIDE_BY_SIDE_POOL, live_tokens(batch_sizes, mixed, max_new_tokens)),
         )
-        settings[name] = kwargs | {"sleep_on_idle": True}
+        settings[name] = kwargs | {
+            "sleep_on_idle": True,
+            "mem_fraction_static": SIDE_BY_SIDE_MEM_FRACTION,
+        }
     envs = {n: CONFIGS[split_config(n, attention_backend)[0]][1] for n in names}
     # The threads engines start in end after the engines stop (start_engines).
     with (
@@ -689,6 +692,13 @@ def measure_side_by_side(
             start, settings, envs, threads if start_together else None
         )
         engines = {name: e for name, (e, _, _) in started.items()}
+        refuse_short_pools(
+            {name: eng.kv_pool_tokens(e) for name, e in engines.items()},
+            min(
+                live_tokens(batch_sizes, mixed, max_new_tokens),
+                *(s["max_total_tokens"] for s in settings.values()),
+            ),
+        )
         start_s = {name: seconds for name, (_, seconds, _) in started.items()}
         schedulers = {name: procs for name, (_, _, procs) in started.items()}
         if freeze_gc:
@@ -769,6 +779,28 @@ SPEC_SLACK_TOKENS = 256
 # (its chunked prefill, 8192-16384 tokens), so that the pool never shapes a prefill batch
 # where an engine measured alone (a pool of MAX_POOL_TOKENS) would not.
 MIN_SIDE_BY_SIDE_POOL = 1 << 15
+
+
+# The static memory share of an engine started side by side. Its pool is capped
+# (max_total_tokens), so the share decides only whether the cap is reached: sglang sizes a
+# pool as the free memory after the weights load less (1 - share) x the free memory before,
+# and engines that start at once load their weights into each other's two readings, so at
+# sglang's default share the last engines to load get pools of a few hundred tokens.
+SIDE_BY_SIDE_MEM_FRACTION = 0.85
+
+
+def refuse_short_pools(pool_tokens: dict[str, int], need: int) -> None:
+    """Stop the run where an engine's KV pool (config -> tokens) holds fewer than the `need`
+    tokens its live requests take: sglang admits what fits and queues the rest, so that
+    engine would run smaller batches than the load asks for and its tok/s compare nothing.
+    """
+    short = {name: n for name, n in pool_tokens.items() if n < need}
+    if short:
+        got = ", ".join(f"{name} {n}" for name, n in short.items())
+        raise SystemExit(
+            f"side by side, KV pools short of the {need} tokens a run holds at once: {got}; "
+            "the engines do not fit this GPU together: run fewer --configs"
+        )
 
 
 def live_tokens(

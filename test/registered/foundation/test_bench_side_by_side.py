@@ -92,12 +92,17 @@ def engines_without_a_gpu(monkeypatch):
     each engine's scheduler a string, each run one second of 8 tokens a request; a host of
     CPUs 0-3 whose CPU 2 is the fastest."""
     started, runs, moves = [], [], []
+    pool_tokens = (
+        {}
+    )  # engine -> its KV pool: what it asked for unless a test shrinks it
 
     @contextlib.contextmanager
     def engine_group():
         def start(**kwargs):
             started.append((kwargs, os.environ.get("SGLANG_SPEC_CHAIN_FAST_PATH")))
-            return f"engine{len(started)}"
+            engine = f"engine{len(started)}"
+            pool_tokens.setdefault(engine, kwargs["max_total_tokens"])
+            return engine
 
         yield start
 
@@ -112,6 +117,10 @@ def engines_without_a_gpu(monkeypatch):
     monkeypatch.setattr(bench_e2e.eng, "pool_tokens_for", lambda target: 1 << 16)
     monkeypatch.setattr(bench_e2e.eng, "engine_group", engine_group)
     monkeypatch.setattr(bench_e2e.eng, "generate", generate)
+    # Engines a test starts its own way: pools as large as any asks for.
+    monkeypatch.setattr(
+        bench_e2e.eng, "kv_pool_tokens", lambda e: pool_tokens.get(e, 1 << 30)
+    )
     monkeypatch.setattr(
         bench_e2e.vcpu_speed,
         "speed_map",
@@ -131,7 +140,9 @@ def engines_without_a_gpu(monkeypatch):
     monkeypatch.setattr(
         scheduler_host, "move", lambda procs, cpus: moves.append((list(procs), cpus))
     )
-    return types.SimpleNamespace(started=started, runs=runs, moves=moves)
+    return types.SimpleNamespace(
+        started=started, runs=runs, moves=moves, pool_tokens=pool_tokens
+    )
 
 
 def test_side_by_side_starts_every_engine_and_puts_their_schedulers_on_one_cpu(
@@ -370,6 +381,47 @@ def test_side_by_side_pools_hold_the_live_requests(
         pool,
         pool,
     ]
+
+
+def test_side_by_side_engines_take_a_large_static_share_of_a_capped_pool(
+    engines_without_a_gpu,
+):
+    bench_e2e.measure_side_by_side(
+        Path("/t"), Path("/d"), ["none", "chain"], [4], 8, 100, repeats=1
+    )
+
+    # Engines loading at once read each other's weights as used memory: at sglang's
+    # default share the later ones would get a few hundred tokens.
+    shares = [k["mem_fraction_static"] for k, _ in engines_without_a_gpu.started]
+    assert shares == [bench_e2e.SIDE_BY_SIDE_MEM_FRACTION] * 2
+    assert bench_e2e.SIDE_BY_SIDE_MEM_FRACTION > 0.55
+
+
+def test_an_engine_with_a_short_pool_stops_the_run_before_it_runs(
+    engines_without_a_gpu, monkeypatch
+):
+    monkeypatch.setattr(bench_e2e, "PROMPT_LEN", [8, 64])
+    need = 48 * (64 + bench_e2e.SPEC_SLACK_TOKENS + 128)
+    engines_without_a_gpu.pool_tokens["engine2"] = need - 1
+
+    with pytest.raises(
+        SystemExit, match=f"short of the {need} tokens.*: chain {need - 1};"
+    ):
+        bench_e2e.measure_side_by_side(
+            Path("/t"), Path("/d"), ["none", "chain"], [1, 48], 128, 100, repeats=1
+        )
+    assert engines_without_a_gpu.runs == []
+
+
+def test_a_pool_that_holds_the_live_requests_runs(engines_without_a_gpu):
+    need = bench_e2e.live_tokens([4], None, 8)
+    engines_without_a_gpu.pool_tokens["engine1"] = need  # below the cap, enough
+
+    rows = bench_e2e.measure_side_by_side(
+        Path("/t"), Path("/d"), ["none", "chain"], [4], 8, 100, repeats=1
+    )
+
+    assert [r["config"] for r in rows] == ["none", "chain"]
 
 
 def test_py_spy_samples_each_configs_schedulers_over_the_runs_only(

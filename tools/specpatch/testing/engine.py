@@ -577,6 +577,11 @@ def timed_runs(
     return [generate(eng, prompts, max_new_tokens) for _ in range(repeats)]
 
 
+def kv_pool_tokens(engine) -> int:
+    """The tokens a started engine's KV pool holds (sglang's max_total_num_tokens)."""
+    return engine.get_server_info()["max_total_num_tokens"]
+
+
 def fastest(runs: list[GreedyRun]) -> GreedyRun:
     """The run with the most tokens per second."""
     return max(runs, key=lambda r: r.tok_per_s)
