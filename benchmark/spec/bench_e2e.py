@@ -666,14 +666,14 @@ def measure_side_by_side(
     start_together, engines start as start_engines(threads=...) starts them."""
     speeds = vcpu_speed.speed_map(HOST_CPUS)
     settings: dict[str, dict] = {}
+    live = live_tokens(batch_sizes, mixed, max_new_tokens)
     for name in names:
         kwargs = engine_settings(
             target, draft, name, batch_sizes, attention_backend, mixed
         )
         # Every engine's pool at once: each only as large as its live requests need.
         kwargs["max_total_tokens"] = min(
-            kwargs["max_total_tokens"],
-            max(MIN_SIDE_BY_SIDE_POOL, live_tokens(batch_sizes, mixed, max_new_tokens)),
+            kwargs["max_total_tokens"], max(MIN_SIDE_BY_SIDE_POOL, live)
         )
         settings[name] = kwargs | {
             "sleep_on_idle": True,
@@ -694,10 +694,7 @@ def measure_side_by_side(
         engines = {name: e for name, (e, _, _) in started.items()}
         refuse_short_pools(
             {name: eng.kv_pool_tokens(e) for name, e in engines.items()},
-            min(
-                live_tokens(batch_sizes, mixed, max_new_tokens),
-                *(s["max_total_tokens"] for s in settings.values()),
-            ),
+            min(live, *(s["max_total_tokens"] for s in settings.values())),
         )
         start_s = {name: seconds for name, (_, seconds, _) in started.items()}
         schedulers = {name: procs for name, (_, _, procs) in started.items()}
