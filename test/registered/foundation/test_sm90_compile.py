@@ -9,7 +9,11 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.jit import JITFunction
 
-from specpatch.testing.sm90_compile import compile_for_sm90, launches_compile_for_sm90
+from specpatch.testing.sm90_compile import (
+    compile_for_sm90,
+    compile_launch,
+    launches_compile_for_sm90,
+)
 
 
 @triton.jit
@@ -30,6 +34,39 @@ def _widths_merge_kernel(a_ptr, b_ptr, out_ptr):
 def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def _row_sums_kernel(x_ptr, out_ptr, stride, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A reduction loop over K whose loads triton pipelines through shared memory when it
+    # knows x_ptr and stride are multiples of 16.
+    rows = tl.arange(0, 16)
+    acc = tl.zeros((16, 16), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride + ks[None, :])
+        acc = tl.dot(x, tl.trans(x), acc)
+    tl.store(out_ptr + rows[:, None] * 16 + rows[None, :], acc)
+
+
+def _pipelined_loads(compiled) -> int:
+    return compiled.asm["ttgir"].count("async_copy_global_to_local")
+
+
+def test_a_launch_is_specialised_as_the_gpu_hosts_launcher_does():
+    x, out = torch.zeros(16, 256, dtype=torch.bfloat16), torch.zeros(16, 16)
+    kwargs = dict(K=256, BLOCK_K=32, num_warps=4, num_stages=3)
+
+    # A stride of 256 and aligned pointers: the loop's loads run in three stages.
+    launched = compile_launch(_row_sums_kernel, (x, out, 256), dict(kwargs))
+    assert _pipelined_loads(launched) == 3
+    # Without the marks (an odd stride) triton keeps one buffer and loads through
+    # registers: what every kernel compiled here looked like before the marks were passed.
+    odd = compile_launch(_row_sums_kernel, (x, out, 255), dict(kwargs))
+    assert _pipelined_loads(odd) == 0
+    # An integer 1 becomes a constant, as on the GPU host.
+    one = compile_launch(_row_sums_kernel, (x, out, 1), dict(kwargs))
+    assert one.src.constants[(2,)] == 1
 
 
 def test_what_the_gpu_host_refuses_fails_here():
