@@ -5,10 +5,15 @@ A target's verify runs every linear layer over bs x num_draft_tokens rows (128 a
 bound by that read, so a verify's GEMMs need not take longer than a decode step's. cuBLAS's
 tiles for 128 rows (112x128 and 96x128 in the 7.24B profile, against 128x8 and 64x8 at 4 rows)
 leave a 4096-column layer a few dozen CTAs to stream its weights on a GPU of 132 SMs. This
-kernel covers every row in one tile (BLOCK_M >= M) and cuts the columns narrow (BLOCK_N
-16-64), so there is a CTA per SM or more and each weight is read once. An experiment for
-bench_verify_gemm.py, not yet wired into a server: whether it beats cuBLAS at those row counts
-is what that benchmark measures.
+kernel covers every row in one tile (BLOCK_M >= M) and gets a CTA per SM or more in one of two
+ways: narrow column tiles (BLOCK_N 16-64), or wider ones (64-128) with the reduction split
+across CTAs (split-K). Every CTA reads the whole row tile of x for its columns, so the narrow
+tiles read x from L2 M / BLOCK_N times as often as their weights: at 128 rows, two to eight
+times; the split keeps that at one or less. A split CTA stores its fp32 partial sums, and the
+last of a tile's splits to finish adds them up in split order and stores the tile: one launch,
+and the same sums in the same order on every call. An experiment for bench_verify_gemm.py, not
+yet wired into a server: whether it beats cuBLAS at those row counts is what that benchmark
+measures.
 """
 
 from __future__ import annotations
@@ -23,32 +28,42 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class Tiling:
-    """One launch configuration: the tile (rows x columns x reduction step) and its warps and
-    pipeline stages."""
+    """One launch configuration: the tile (rows x columns x reduction step), its warps and
+    pipeline stages, and the number of CTAs each output tile's reduction is split across.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1
 
     @property
     def label(self) -> str:
+        split = f" k/{self.split_k}" if self.split_k > 1 else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k}"
-            f" w{self.num_warps} s{self.num_stages}"
+            f" w{self.num_warps} s{self.num_stages}{split}"
         )
 
 
 def tilings_for(rows: int) -> list[Tiling]:
     """The tilings bench_verify_gemm.py tries at `rows` rows: one row tile covering them all
     (tl.dot's smallest is 16), up to 128, then 128-row tiles; narrow column tiles, so that a
-    4096-column layer has 64-256 CTAs. Nine, since each is a compile per layer width on a
-    fresh host."""
+    4096-column layer has 64-256 CTAs, and from 32 rows, where the narrow tiles read x from L2
+    more than their weights, wider ones with the reduction split 4 or 8 ways. Nine or twelve,
+    since each is a compile per layer width on a fresh host."""
     block_m = min(max(16, triton.next_power_of_2(rows)), 128)
     plain = [Tiling(block_m, n, k) for n in (16, 32, 64) for k in (64, 128)]
     wide = [Tiling(block_m, n, 128, num_warps=8, num_stages=3) for n in (16, 32, 64)]
-    return plain + wide
+    if block_m < 32:
+        return plain + wide
+    split = [
+        Tiling(block_m, n, 64, num_warps=8, num_stages=4, split_k=s)
+        for n, s in ((64, 4), (128, 4), (128, 8))
+    ]
+    return plain + wide + split
 
 
 @triton.jit
@@ -56,6 +71,8 @@ def _few_row_gemm_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
+    partial_ptr,
+    arrivals_ptr,
     M,
     N,
     stride_xm,
@@ -65,22 +82,33 @@ def _few_row_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # K, the layer's input width, is a constant: one compile per layer shape, as a GEMM
     # library picks its kernel per shape, and a reduction loop the compiler can pipeline.
-    # Programs that share a column tile are neighbours (m fastest): where the rows need more
-    # than one row tile, the second reads the weights the first just brought into L2.
+    # Programs that share an output tile are neighbours (split fastest, then m): where the
+    # rows need more than one row tile, the second reads the weights the first just brought
+    # into L2.
     num_m_tiles = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
-    pid_m = pid % num_m_tiles
-    pid_n = pid // num_m_tiles
+    split = pid % SPLIT_K
+    tile = pid // SPLIT_K
+    pid_m = tile % num_m_tiles
+    pid_n = tile // num_m_tiles
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
+
+    # Each split reduces over its own run of whole BLOCK_K steps, the same number in every
+    # split (a constant trip count, which the compiler pipelines); steps past K are masked
+    # off, so the last split's run may be short or empty.
+    STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    SPLIT_STEPS: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K
+    k_begin = split * (SPLIT_STEPS * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    for step in range(SPLIT_STEPS):
+        ks = k_begin + step * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(
             x_ptr + rows[:, None] * stride_xm + ks[None, :],
@@ -93,11 +121,66 @@ def _few_row_gemm_kernel(
             other=0.0,
         )
         acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(
-        y_ptr + rows[:, None] * stride_ym + cols[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    y_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+    else:
+        # partial_ptr: [tiles, SPLIT_K, BLOCK_M, BLOCK_N] fp32; arrivals_ptr: [tiles] int32,
+        # zero between calls.
+        TILE_ELEMS: tl.constexpr = BLOCK_M * BLOCK_N
+        in_tile = (
+            tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        )
+        tile_partials = partial_ptr + tile.to(tl.int64) * (SPLIT_K * TILE_ELEMS)
+        tl.store(tile_partials + split * TILE_ELEMS + in_tile, acc)
+        # Every thread's partial is stored before the arrival is counted (the barrier), and
+        # the count's release publishes them to the CTA that reads them back after its
+        # acquire; .cg reads them from L2, where the other CTAs' stores are.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(
+                    tile_partials + s * TILE_ELEMS + in_tile, cache_modifier=".cg"
+                )
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_ok)
+            # Ready for the next call, a CUDA graph's next replay included.
+            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@dataclass
+class SplitWorkspace:
+    """What split tilings share on one device, grown as calls need: the calls run in stream
+    order, each leaving the arrival counts at zero for the next."""
+
+    # [>= tiles * split_k * block_m * block_n] fp32: the splits' partial sums
+    partials: torch.Tensor
+    # [>= tiles] int32: splits of each output tile that have stored theirs
+    arrivals: torch.Tensor
+
+
+_workspaces: dict[torch.device, SplitWorkspace] = {}
+
+
+def split_workspace(
+    device: torch.device, partial_elems: int, tiles: int
+) -> SplitWorkspace:
+    """The device's workspace, with room for `partial_elems` partial sums and `tiles`
+    arrival counts (a new one, counts zeroed, where the last was smaller)."""
+    ws = _workspaces.get(device)
+    if ws is None or ws.partials.numel() < partial_elems or ws.arrivals.numel() < tiles:
+        old = (ws.partials.numel(), ws.arrivals.numel()) if ws else (1, 1)
+        ws = SplitWorkspace(
+            partials=torch.empty(
+                max(partial_elems, old[0]), dtype=torch.float32, device=device
+            ),
+            arrivals=torch.zeros(max(tiles, old[1]), dtype=torch.int32, device=device),
+        )
+        _workspaces[device] = ws
+    return ws
 
 
 def few_row_linear(
@@ -114,11 +197,19 @@ def few_row_linear(
     n = weight.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, tiling.block_m) * triton.cdiv(n, tiling.block_n),)
-    _few_row_gemm_kernel[grid](
+    tiles = triton.cdiv(m, tiling.block_m) * triton.cdiv(n, tiling.block_n)
+    if tiling.split_k > 1:
+        ws = split_workspace(
+            x.device, tiles * tiling.split_k * tiling.block_m * tiling.block_n, tiles
+        )
+    else:
+        ws = split_workspace(x.device, 1, 1)  # unread: SPLIT_K == 1 stores y directly
+    _few_row_gemm_kernel[(tiles * tiling.split_k,)](
         x,
         weight,
         out,
+        ws.partials,
+        ws.arrivals,
         m,
         n,
         x.stride(0),
@@ -128,6 +219,7 @@ def few_row_linear(
         BLOCK_M=tiling.block_m,
         BLOCK_N=tiling.block_n,
         BLOCK_K=tiling.block_k,
+        SPLIT_K=tiling.split_k,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
     )

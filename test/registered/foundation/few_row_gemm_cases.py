@@ -37,12 +37,17 @@ CASES = [
     Case(
         "two-row-tiles", 130, 32, 64
     ),  # past 128 rows: a second, nearly empty row tile
+    # 11 reduction steps of 64: split 4 ways 3 + 3 + 3 + 2, split 8 ways 2 each for five
+    # splits, one for the sixth, none for the last two
+    Case("uneven-splits", 64, 200, 704),
 ]
 
 
 def check(case: Case, device: str, dtype: torch.dtype) -> None:
     """Every tiling the benchmark tries computes what the reference does: the same fp32 sums
-    rounded once, so at most one rounding step apart."""
+    rounded once, so at most one rounding step apart; a split tiling gives the same bits on
+    a second call and leaves its arrival counts at zero (the state its next call, or a CUDA
+    graph's next replay, starts from)."""
     g = torch.Generator().manual_seed(case.rows * 7919 + case.out_features)
     x = torch.randn(case.rows, case.in_features, generator=g).to(dtype).to(device)
     weight = (
@@ -58,6 +63,11 @@ def check(case: Case, device: str, dtype: torch.dtype) -> None:
         assert got.shape == want.shape
         err = (got - want).abs().max().item()
         assert err <= ulp, f"{tiling.label}: off by {err} (one ulp {ulp})"
+        if tiling.split_k > 1:
+            again = few_row_gemm.few_row_linear(x, weight, tiling).float()
+            assert torch.equal(again, got), tiling.label
+            arrivals = few_row_gemm.split_workspace(x.device, 1, 1).arrivals
+            assert int(arrivals.count_nonzero()) == 0, tiling.label
 
 
 @pytest.mark.skipif(

@@ -36,23 +36,35 @@ def test_kernel_matches_reference_on_cuda(case):
 
 @pytest.mark.gpu
 def test_kernel_matches_reference_on_a_7b_layer_on_cuda():
-    # The 7.24B target's down_proj (14336 -> 4096) over tree 16,3,32's rows at bs 4.
+    # The 7.24B target's down_proj (14336 -> 4096) over tree 16,3,32's rows at bs 4: on the
+    # GPU a tile's splits run at once, so its last arrival is whichever split finishes last.
     cases.check(
         cases.Case("llama8b-down-128", 128, 4096, 14336), "cuda", torch.bfloat16
     )
 
 
-@pytest.mark.parametrize("rows", [1, 128, 512])
-def test_every_tiling_compiles_for_sm90(rows):
+# Shared memory an H100 CTA may have (227 KB).
+H100_SHARED_BYTES = 232448
+
+
+@pytest.mark.parametrize("rows", [1, 32, 128, 512])
+def test_every_tiling_compiles_for_sm90_with_its_loads_pipelined(rows):
     """Triton's compiler, which the interpreter does not run, takes each tiling with the
-    types a bf16 layer passes."""
-    x = torch.zeros(rows, 256, dtype=torch.bfloat16)
-    weight = torch.zeros(96, 256, dtype=torch.bfloat16)
+    types and alignments a bf16 layer of the 7.24B target passes (4096 wide), pipelines the
+    loads of x and the weights through num_stages buffers each (what hides a CTA's memory
+    latency, with one or two CTAs an SM), and fits an H100's shared memory."""
+    x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
+    weight = torch.zeros(96, 4096, dtype=torch.bfloat16)
     tilings = few_row_gemm.tilings_for(rows)
-    with launches_compile_for_sm90() as compiled:
+    binaries = []
+    with launches_compile_for_sm90(binaries) as compiled:
         for tiling in tilings:
             few_row_gemm.few_row_linear(x, weight, tiling)
     assert compiled == ["_few_row_gemm_kernel"] * len(tilings)
+    for tiling, binary in zip(tilings, binaries):
+        async_loads = binary.asm["ttgir"].count("async_copy_global_to_local")
+        assert async_loads == 2 * tiling.num_stages, tiling.label
+        assert binary.metadata.shared <= H100_SHARED_BYTES, tiling.label
 
 
 @pytest.mark.parametrize(
@@ -61,8 +73,18 @@ def test_every_tiling_compiles_for_sm90(rows):
 def test_one_row_tile_covers_up_to_128_rows(rows, block_m):
     tilings = few_row_gemm.tilings_for(rows)
     assert tilings and {t.block_m for t in tilings} == {block_m}
-    # narrow column tiles: a 4096-column layer gets at least 64 CTAs per row tile
-    assert all(4096 // t.block_n >= 64 for t in tilings)
+    # narrow column tiles, or wider ones split: a 4096-column layer gets at least 64 CTAs
+    # per row tile
+    assert all(4096 // t.block_n * t.split_k >= 64 for t in tilings)
+
+
+@pytest.mark.parametrize("rows,splits", [(16, set()), (32, {4, 8}), (128, {4, 8})])
+def test_the_reduction_is_split_from_32_rows(rows, splits):
+    # From 32 rows a 64-column tile reads x from L2 half as often as its weights or more
+    # (rows / block_n); the split tilings' wider tiles keep that down.
+    tilings = few_row_gemm.tilings_for(rows)
+    assert {t.split_k for t in tilings} - {1} == splits
+    assert all(t.block_n >= 64 for t in tilings if t.split_k > 1)
 
 
 def test_the_7b_targets_layers_are_llama_3_8bs():
