@@ -119,6 +119,9 @@ KERNEL_AB = {
     # the cascade's prefix pass over whole rows, split-KV in graphs (it splits a small batch's
     # rows into sequences of their own by default): "tree-whole-rows@flashinfer".
     "whole-rows": {"SGLANG_FLASHINFER_TREE_ROW_PIECES": "1"},
+    # the few-row GEMM (layers/few_row_gemm_table.py) for the layers and row counts of
+    # --few-row-gemm-table's measurement (torch's GEMMs by default): "tree-few-row-gemm".
+    "few-row-gemm": {"SGLANG_FEW_ROW_GEMM": ""},
 }
 for _suffix, _env in KERNEL_AB.items():
     CONFIGS[f"chain-{_suffix}"] = (
@@ -176,6 +179,19 @@ def set_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> None:
             eng.SpecConfig(topk, num_steps, num_draft_tokens),
             CONFIGS[name][1],
         )
+
+
+FEW_ROW_GEMM_CONFIGS = (
+    "chain-few-row-gemm",
+    "tree-few-row-gemm",
+    "narrow-few-row-gemm",
+)
+
+
+def set_few_row_gemm_table(path: str) -> None:
+    """The few-row-gemm configs read this bench_verify_gemm --out file."""
+    for name in FEW_ROW_GEMM_CONFIGS:
+        CONFIGS[name][1]["SGLANG_FEW_ROW_GEMM"] = str(Path(path).resolve())
 
 
 def set_policy_config(path: str) -> None:
@@ -1214,6 +1230,12 @@ def main() -> None:
         "also run i of A over run i of B, each round's pair)",
     )
     parser.add_argument(
+        "--few-row-gemm-table",
+        metavar="FILE",
+        help="bench_verify_gemm.py --out rows from this GPU: what the *-few-row-gemm configs "
+        "run the few-row GEMM for (SGLANG_FEW_ROW_GEMM)",
+    )
+    parser.add_argument(
         "--replot", help="results.json of an earlier run: only draw --png"
     )
     args = parser.parse_args()
@@ -1237,6 +1259,11 @@ def main() -> None:
         return
     set_tree_shape(*(int(x) for x in args.tree.split(",")))
     set_policy_shapes(args.policy_shapes.split())
+    wants_table = [c for c in args.configs.split(",") if "few-row-gemm" in c]
+    if wants_table and not args.few_row_gemm_table:
+        parser.error(f"{wants_table[0]} runs the GEMMs of --few-row-gemm-table FILE")
+    if args.few_row_gemm_table:
+        set_few_row_gemm_table(args.few_row_gemm_table)
     if args.policy_config:
         set_policy_config(args.policy_config)
     POLICY_TRACE[0] = args.policy_trace

@@ -14,6 +14,10 @@ row count over the first row count's:
     python benchmark/spec/bench_verify_gemm.py --preset llama8b --rows 4,16,32,64,128,256,512 \
         --out gemm.json
 
+The --out rows are what SGLANG_FEW_ROW_GEMM reads (sglang.srt.layers.few_row_gemm_table): a
+server on the same GPU then runs the kernel for each layer and row count where it measured
+faster than torch.
+
 Each call reads a different copy of the weights (copies adding up to several L2s), as a
 forward reads each layer's once.
 """
@@ -21,6 +25,7 @@ forward reads each layer's once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -30,10 +35,10 @@ from typing import Callable, Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-import few_row_gemm  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from sglang.srt.layers import few_row_gemm  # noqa: E402
 from specpatch.testing.synth import PRESETS, TargetSpec  # noqa: E402
 
 # "torch": F.linear as sglang calls it; "cublas", "cublaslt": the same with
@@ -159,12 +164,18 @@ def time_us_with_library(
 
 
 def time_best_tiling(x, weights: list, want, copies: int, iters: int):
-    """(microseconds, tiling label) of few_row_gemm's fastest tiling on x and the weight
-    copies, or None if none computes `want`; a tiling that computes wrong is printed, and is
-    no candidate."""
-    best: Optional[tuple[float, str]] = None
-    for tiling in few_row_gemm.tilings_for(x.shape[0]):
-        got = few_row_gemm.few_row_linear(x, weights[0], tiling)
+    """(microseconds, tiling) of few_row_gemm's fastest tiling on x and the weight copies, or
+    None if none computes `want`; a tiling that computes wrong is printed, and is no
+    candidate."""
+    best: Optional[tuple[float, few_row_gemm.Tiling]] = None
+    tilings = few_row_gemm.tilings_for(x.shape[0])
+    out_features = weights[0].shape[0]
+    needs = [few_row_gemm.split_needs(x.shape[0], out_features, t) for t in tilings]
+    workspace = few_row_gemm.SplitWorkspace.allocate(
+        x.device, max(n[0] for n in needs), max(n[1] for n in needs)
+    )
+    for tiling in tilings:
+        got = few_row_gemm.few_row_linear(x, weights[0], tiling, workspace)
         if not torch.allclose(got.float(), want.float(), atol=5e-2, rtol=1e-2):
             err = (got.float() - want.float()).abs().max().item()
             print(
@@ -172,13 +183,37 @@ def time_best_tiling(x, weights: list, want, copies: int, iters: int):
             )
             continue
         us = time_us(
-            lambda i: few_row_gemm.few_row_linear(x, weights[i], tiling),
+            lambda i: few_row_gemm.few_row_linear(x, weights[i], tiling, workspace),
             copies,
             iters,
         )
         if best is None or us < best[0]:
-            best = (us, tiling.label)
+            best = (us, tiling)
     return best
+
+
+def result_row(
+    shape: LayerShape,
+    rows: int,
+    backend: str,
+    us: float,
+    tiling: Optional[few_row_gemm.Tiling] = None,
+) -> dict:
+    """One timed cell as --out writes it: what SGLANG_FEW_ROW_GEMM's table reads (the layer's
+    shape, the rows, each backend's microseconds, the kernel's tiling) and the bandwidth.
+    """
+    row = {
+        "layer": shape.name,
+        "out_features": shape.out_features,
+        "in_features": shape.in_features,
+        "rows": rows,
+        "backend": backend,
+        "us": us,
+        "tb_per_s": shape.weight_bytes / us / 1e6,
+    }
+    if tiling is not None:
+        row |= {"tiling": tiling.label, "tiling_config": dataclasses.asdict(tiling)}
+    return row
 
 
 def measure(
@@ -204,17 +239,17 @@ def measure(
             x = torch.randn(m, shape.in_features, device="cuda", dtype=torch.bfloat16)
             want = few_row_gemm.reference_linear(x, weights[0])
             for backend in backends:
-                row = {"layer": shape.name, "rows": m, "backend": backend}
+                tiling = None
                 if backend == "triton":
                     best = time_best_tiling(x, weights, want, copies, iters)
                     if best is None:
                         continue
-                    row |= {"us": best[0], "tiling": best[1]}
+                    us, tiling = best
                 else:
-                    row["us"] = time_us_with_library(
+                    us = time_us_with_library(
                         backend, lambda i: F.linear(x, weights[i]), copies, iters
                     )
-                row["tb_per_s"] = shape.weight_bytes / row["us"] / 1e6
+                row = result_row(shape, m, backend, us, tiling)
                 rows.append(row)
                 print(
                     f"{shape.name:>13} {m:>4} rows {backend:>8}: {row['us']:8.1f} us "

@@ -1,4 +1,4 @@
-"""benchmark/spec/few_row_gemm.py's kernel against its plain-torch reference.
+"""sglang.srt.layers.few_row_gemm's kernel against its plain-torch reference.
 
 Each case is one linear layer's GEMM: rows (a decode's bs or a verify's bs x draft tokens),
 output columns and reduction length, at sizes that leave partial tiles on every axis.
@@ -10,15 +10,12 @@ TRITON_INTERPRET=1; in fp16, since the interpreter's tl.dot reads bf16 tiles wro
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
-import few_row_gemm  # noqa: E402
+from sglang.srt.layers import few_row_gemm
 
 
 @dataclass(frozen=True)
@@ -59,15 +56,16 @@ def check(case: Case, device: str, dtype: torch.dtype) -> None:
     # One unit in the last place of the largest output, the most one rounding can differ by.
     ulp = want.abs().max().item() * torch.finfo(dtype).eps
     for tiling in few_row_gemm.tilings_for(case.rows):
-        got = few_row_gemm.few_row_linear(x, weight, tiling).float()
+        needs = few_row_gemm.split_needs(case.rows, case.out_features, tiling)
+        workspace = few_row_gemm.SplitWorkspace.allocate(device, *needs)
+        got = few_row_gemm.few_row_linear(x, weight, tiling, workspace).float()
         assert got.shape == want.shape
         err = (got - want).abs().max().item()
         assert err <= ulp, f"{tiling.label}: off by {err} (one ulp {ulp})"
         if tiling.split_k > 1:
-            again = few_row_gemm.few_row_linear(x, weight, tiling).float()
+            again = few_row_gemm.few_row_linear(x, weight, tiling, workspace).float()
             assert torch.equal(again, got), tiling.label
-            arrivals = few_row_gemm.split_workspace(x.device, 1, 1).arrivals
-            assert int(arrivals.count_nonzero()) == 0, tiling.label
+            assert int(workspace.arrivals.count_nonzero()) == 0, tiling.label
 
 
 @pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""benchmark/spec/bench_verify_gemm.py and its Triton kernel (few_row_gemm.py): the kernel
+"""benchmark/spec/bench_verify_gemm.py and its Triton kernel (sglang.srt.layers.few_row_gemm): the kernel
 against its plain-torch reference (few_row_gemm_cases.py) through triton's interpreter and on
 CUDA, every tiling compiled for sm_90, and the benchmark's layer table and summaries."""
 
@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "spec"))
 import bench_verify_gemm as bench  # noqa: E402
-import few_row_gemm  # noqa: E402
 
+from sglang.srt.layers import few_row_gemm  # noqa: E402
 from specpatch.testing.interpret import interpreter_suite  # noqa: E402
 from specpatch.testing.sm90_compile import launches_compile_for_sm90  # noqa: E402
 from specpatch.testing.synth import PRESETS  # noqa: E402
@@ -56,10 +56,11 @@ def test_every_tiling_compiles_for_sm90_with_its_loads_pipelined(rows):
     x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
     weight = torch.zeros(96, 4096, dtype=torch.bfloat16)
     tilings = few_row_gemm.tilings_for(rows)
+    workspace = few_row_gemm.SplitWorkspace.allocate("cpu", 1 << 20, 1 << 10)
     binaries = []
     with launches_compile_for_sm90(binaries) as compiled:
         for tiling in tilings:
-            few_row_gemm.few_row_linear(x, weight, tiling)
+            few_row_gemm.few_row_linear(x, weight, tiling, workspace)
     assert compiled == ["_few_row_gemm_kernel"] * len(tilings)
     for tiling, binary in zip(tilings, binaries):
         async_loads = binary.asm["ttgir"].count("async_copy_global_to_local")
@@ -162,7 +163,7 @@ def test_the_fastest_tiling_that_computes_right_is_kept(monkeypatch, capsys):
     wrong, fastest = tilings[0], tilings[1]
     calls = []
 
-    def linear(x, w, tiling):
+    def linear(x, w, tiling, workspace):
         calls.append(tiling)
         return want + 1 if tiling == wrong else want
 
@@ -173,5 +174,40 @@ def test_the_fastest_tiling_that_computes_right_is_kept(monkeypatch, capsys):
     monkeypatch.setattr(few_row_gemm, "few_row_linear", linear)
     monkeypatch.setattr(bench, "time_us", time_us)
 
-    assert bench.time_best_tiling(x, [weight], want, 1, 1) == (1.0, fastest.label)
+    assert bench.time_best_tiling(x, [weight], want, 1, 1) == (1.0, fastest)
     assert f"few_row_gemm {wrong.label}: WRONG (off by 1)" in capsys.readouterr().out
+
+
+def test_bench_e2e_few_row_gemm_configs_need_the_table(monkeypatch, capsys):
+    import bench_e2e
+
+    argv = ["bench_e2e.py", "--configs", "tree,tree-few-row-gemm", "--batch-sizes", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+
+    with pytest.raises(SystemExit):
+        bench_e2e.main()
+    assert (
+        "tree-few-row-gemm runs the GEMMs of --few-row-gemm-table FILE"
+        in capsys.readouterr().err
+    )
+
+
+def test_bench_e2e_few_row_gemm_configs_read_the_table_they_are_given(
+    monkeypatch, tmp_path
+):
+    import bench_e2e
+
+    for name in bench_e2e.FEW_ROW_GEMM_CONFIGS:
+        config, env = bench_e2e.CONFIGS[name]
+        monkeypatch.setitem(bench_e2e.CONFIGS, name, (config, dict(env)))
+    monkeypatch.chdir(tmp_path)
+
+    bench_e2e.set_few_row_gemm_table("gemm.json")
+
+    for name in bench_e2e.FEW_ROW_GEMM_CONFIGS:
+        env = bench_e2e.CONFIGS[name][1]
+        # absolute: the engines may start elsewhere
+        assert env["SGLANG_FEW_ROW_GEMM"] == str(tmp_path / "gemm.json")
+    # an A/B of a switch, never the policy's "best fixed shape"
+    assert "SGLANG_FEW_ROW_GEMM" in bench_e2e.KERNEL_SWITCHES
+    assert bench_e2e.CONFIGS["tree-few-row-gemm"][0] == bench_e2e.CONFIGS["tree"][0]

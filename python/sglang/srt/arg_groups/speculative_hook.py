@@ -5,8 +5,10 @@ combination of flags fails with a ValueError that names the flags.
 
 Before any of them, for every algorithm (`check_speculative_flags`, first thing in
 _handle_speculative_decoding): a --speculative-draft-model-path that is neither a local path
-nor a Hugging Face repo id is a ValueError naming the flag, and --speculative-* flags given
-without --speculative-algorithm, which upstream ignores, get one warning naming them.
+nor a Hugging Face repo id is a ValueError naming the flag, --speculative-* flags given
+without --speculative-algorithm, which upstream ignores, get one warning naming them, and a
+SGLANG_FEW_ROW_GEMM file that is not bench_verify_gemm's rows (the verify's GEMM table,
+layers/few_row_gemm_table.py) is a ValueError naming the variable.
 
 The decisions, in order:
 0. A draft to run (`check_draft_model_given`): without --speculative-draft-model-path sglang
@@ -171,7 +173,10 @@ _SPECULATIVE_FIELDS_NOT_WARNED = frozenset(
 
 def check_speculative_flags(server_args: ServerArgs) -> None:
     """Checks for every algorithm, before upstream reads any speculative flag."""
+    from sglang.srt.layers import few_row_gemm_table
+
     check_draft_model_path(server_args.speculative_draft_model_path)
+    few_row_gemm_table.check_env()
     if server_args.speculative_algorithm is None:
         warn_ignored_speculative_flags(server_args)
 

@@ -11,9 +11,11 @@ across CTAs (split-K). Every CTA reads the whole row tile of x for its columns, 
 tiles read x from L2 M / BLOCK_N times as often as their weights: at 128 rows, two to eight
 times; the split keeps that at one or less. A split CTA stores its fp32 partial sums, and the
 last of a tile's splits to finish adds them up in split order and stores the tile: one launch,
-and the same sums in the same order on every call. An experiment for bench_verify_gemm.py, not
-yet wired into a server: whether it beats cuBLAS at those row counts is what that benchmark
-measures.
+and the same sums in the same order on every call.
+
+Whether it beats cuBLAS depends on the GPU, the layer and the row count:
+benchmark/spec/bench_verify_gemm.py measures that, and a server runs this kernel only for the
+layers and row counts its measurement names (few_row_gemm_table.py, opt-in).
 """
 
 from __future__ import annotations
@@ -153,63 +155,66 @@ def _few_row_gemm_kernel(
 
 @dataclass
 class SplitWorkspace:
-    """What split tilings share on one device, grown as calls need: the calls run in stream
-    order, each leaving the arrival counts at zero for the next."""
+    """What split tilings' launches share on one device: calls in stream order, each leaving
+    the arrival counts at zero for the next. A CUDA graph captured with one keeps its
+    addresses, so a workspace is allocated once at the largest size its calls need."""
 
     # [>= tiles * split_k * block_m * block_n] fp32: the splits' partial sums
     partials: torch.Tensor
     # [>= tiles] int32: splits of each output tile that have stored theirs
     arrivals: torch.Tensor
 
-
-_workspaces: dict[torch.device, SplitWorkspace] = {}
-
-
-def split_workspace(
-    device: torch.device, partial_elems: int, tiles: int
-) -> SplitWorkspace:
-    """The device's workspace, with room for `partial_elems` partial sums and `tiles`
-    arrival counts (a new one, counts zeroed, where the last was smaller)."""
-    ws = _workspaces.get(device)
-    if ws is None or ws.partials.numel() < partial_elems or ws.arrivals.numel() < tiles:
-        old = (ws.partials.numel(), ws.arrivals.numel()) if ws else (1, 1)
-        ws = SplitWorkspace(
+    @classmethod
+    def allocate(
+        cls, device: "torch.device | str", partial_elems: int, tiles: int
+    ) -> "SplitWorkspace":
+        return cls(
             partials=torch.empty(
-                max(partial_elems, old[0]), dtype=torch.float32, device=device
+                max(partial_elems, 1), dtype=torch.float32, device=device
             ),
-            arrivals=torch.zeros(max(tiles, old[1]), dtype=torch.int32, device=device),
+            arrivals=torch.zeros(max(tiles, 1), dtype=torch.int32, device=device),
         )
-        _workspaces[device] = ws
-    return ws
+
+    def holds(self, needs: tuple[int, int]) -> bool:
+        partial_elems, tiles = needs
+        return self.partials.numel() >= partial_elems and self.arrivals.numel() >= tiles
+
+
+def split_needs(rows: int, out_features: int, tiling: Tiling) -> tuple[int, int]:
+    """(partial sums, arrival counts) a call of `tiling` over rows x out_features needs of
+    its workspace; (0, 0) for an unsplit tiling, which stores its tiles directly."""
+    if tiling.split_k == 1:
+        return 0, 0
+    tiles = triton.cdiv(rows, tiling.block_m) * triton.cdiv(
+        out_features, tiling.block_n
+    )
+    return tiles * tiling.split_k * tiling.block_m * tiling.block_n, tiles
 
 
 def few_row_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     tiling: Tiling,
+    workspace: SplitWorkspace,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, accumulated in fp32. Both inputs
-    must be contiguous along K (a linear layer's input and weight are)."""
+    must be contiguous along K (a linear layer's input and weight are); `workspace` must
+    hold split_needs(M, N, tiling)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert x.stride(1) == 1 and weight.stride(1) == 1
     m, k = x.shape
     n = weight.shape[0]
+    assert workspace.holds(split_needs(m, n, tiling)), "workspace too small"
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, tiling.block_m) * triton.cdiv(n, tiling.block_n)
-    if tiling.split_k > 1:
-        ws = split_workspace(
-            x.device, tiles * tiling.split_k * tiling.block_m * tiling.block_n, tiles
-        )
-    else:
-        ws = split_workspace(x.device, 1, 1)  # unread: SPLIT_K == 1 stores y directly
     _few_row_gemm_kernel[(tiles * tiling.split_k,)](
         x,
         weight,
         out,
-        ws.partials,
-        ws.arrivals,
+        workspace.partials,
+        workspace.arrivals,
         m,
         n,
         x.stride(0),
