@@ -53,19 +53,21 @@ class Tiling:
 def tilings_for(rows: int) -> list[Tiling]:
     """The tilings bench_verify_gemm.py tries at `rows` rows: one row tile covering them all
     (tl.dot's smallest is 16), up to 128, then 128-row tiles; narrow column tiles, so that a
-    4096-column layer has 64-256 CTAs, and from 32 rows, where the narrow tiles read x from L2
-    more than their weights, wider ones with the reduction split 4 or 8 ways. Nine or twelve,
-    since each is a compile per layer width on a fresh host."""
+    4096-column layer has 64-256 CTAs. From 32 rows, where 16-column tiles read x from L2
+    more than their weights, also 64- and 128-column tiles with the reduction split 4 or 8
+    ways, and 128-column tiles unsplit for the widest layers (gate_up, the LM head: 200 or
+    more CTAs already), where a split's partial sums would add more traffic than it saves.
+    Nine or thirteen, since each is a compile per layer width on a fresh host."""
     block_m = min(max(16, triton.next_power_of_2(rows)), 128)
     plain = [Tiling(block_m, n, k) for n in (16, 32, 64) for k in (64, 128)]
     wide = [Tiling(block_m, n, 128, num_warps=8, num_stages=3) for n in (16, 32, 64)]
     if block_m < 32:
         return plain + wide
-    split = [
+    wide_columns = [
         Tiling(block_m, n, 64, num_warps=8, num_stages=4, split_k=s)
-        for n, s in ((64, 4), (128, 4), (128, 8))
+        for n, s in ((64, 4), (128, 1), (128, 4), (128, 8))
     ]
-    return plain + wide + split
+    return plain + wide + wide_columns
 
 
 @triton.jit
