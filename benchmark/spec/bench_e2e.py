@@ -119,8 +119,9 @@ KERNEL_AB = {
     # the cascade's prefix pass over whole rows, split-KV in graphs (it splits a small batch's
     # rows into sequences of their own by default): "tree-whole-rows@flashinfer".
     "whole-rows": {"SGLANG_FLASHINFER_TREE_ROW_PIECES": "1"},
-    # the few-row GEMM (layers/few_row_gemm_table.py) for the layers and row counts of
-    # --few-row-gemm-table's measurement (torch's GEMMs by default): "tree-few-row-gemm".
+    # the few-row GEMM or cuBLASLt (layers/few_row_gemm_table.py) for the layers and row
+    # counts of --few-row-gemm-table's measurement (torch's GEMMs by default):
+    # "tree-few-row-gemm".
     "few-row-gemm": {"SGLANG_FEW_ROW_GEMM": ""},
 }
 for _suffix, _env in KERNEL_AB.items():

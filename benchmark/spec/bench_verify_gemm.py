@@ -15,8 +15,8 @@ row count over the first row count's:
         --out gemm.json
 
 The --out rows are what SGLANG_FEW_ROW_GEMM reads (sglang.srt.layers.few_row_gemm_table): a
-server on the same GPU then runs the kernel for each layer and row count where it measured
-faster than torch.
+server on the same GPU then runs the kernel or cuBLASLt, the faster, for each layer and row
+count where it measured faster than torch.
 
 Each call reads a different copy of the weights (copies adding up to several L2s), as a
 forward reads each layer's once.

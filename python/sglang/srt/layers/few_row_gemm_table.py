@@ -1,19 +1,21 @@
-"""Which linear layers run few_row_gemm instead of torch's GEMM: opt-in, from a measurement.
+"""Which linear layers run another GEMM than torch's default: opt-in, from a measurement.
 
 A spec v2 verify runs each of the target's linear layers over bs x num_draft_tokens rows, and
 cuBLAS's tiles for a hundred rows read the same weights slower than its tiles for a decode's
-few (few_row_gemm.py). Whether the Triton kernel does better depends on the GPU, the layer's
-shape and the row count, so a server runs it only where a measurement on its GPU says so:
+few (few_row_gemm.py). Two GEMMs can do better there: few_row_gemm's Triton kernel, and
+cuBLASLt, whose heuristics pick other tiles than cuBLAS's for some shapes (the 7.24B target's
+down_proj over 64-128 rows). Which wins depends on the GPU, the layer's shape and the row
+count, so a server runs either only where a measurement on its GPU says so:
 
     python benchmark/spec/bench_verify_gemm.py --preset P --rows 32,128 --out gemm.json
     SGLANG_FEW_ROW_GEMM=gemm.json python -m sglang.launch_server ...
 
-A layer of `out_features` x `in_features` weights over M rows then runs the kernel's fastest
-tiling at exactly that (out_features, in_features, M) where it took at most 1 - MARGIN of
-torch's time; every other GEMM is torch's, as without the variable. Row counts are exact
-because the verify's are (bs x num_draft_tokens at each captured batch size) and a tiling's
-speed changes with the rows; a layer shape is matched whole, so a table measured at one
-tensor-parallel size applies to that size only.
+A layer of `out_features` x `in_features` weights over M rows then runs the faster of the two
+(the kernel at its fastest tiling) at exactly that (out_features, in_features, M) where it
+took at most 1 - MARGIN of torch's time; every other GEMM is torch's, as without the
+variable. Row counts are exact because the verify's are (bs x num_draft_tokens at each
+captured batch size) and a tiling's speed changes with the rows; a layer shape is matched
+whole, so a table measured at one tensor-parallel size applies to that size only.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
+import torch.nn.functional as F
 
 from sglang.srt.layers.few_row_gemm import (
     SplitWorkspace,
@@ -37,6 +40,9 @@ ENV = "SGLANG_FEW_ROW_GEMM"
 # How much faster than torch a tiling must have measured to replace it: timing noise of
 # bench_verify_gemm's loops is about 1 %.
 MARGIN = 0.03
+# A table entry that runs torch's GEMM through cuBLASLt instead of cuBLAS.
+CUBLASLT = "cublaslt"
+GemmChoice = Union[Tiling, Literal["cublaslt"]]
 
 
 @dataclass(frozen=True)
@@ -50,9 +56,9 @@ class LayerRows:
 
 @dataclass
 class FewRowGemmTable:
-    """The GEMMs that run few_row_gemm, each with its tiling."""
+    """The GEMMs that do not run torch's default: each few_row_gemm's tiling or CUBLASLT."""
 
-    tilings: dict[LayerRows, Tiling]
+    choices: dict[LayerRows, GemmChoice]
     # One per device, sized for the table's largest split call at its first use.
     _workspaces: dict[torch.device, SplitWorkspace] = field(default_factory=dict)
 
@@ -60,8 +66,9 @@ class FewRowGemmTable:
         ws = self._workspaces.get(device)
         if ws is None:
             needs = [
-                split_needs(key.rows, key.out_features, tiling)
-                for key, tiling in self.tilings.items()
+                split_needs(key.rows, key.out_features, choice)
+                for key, choice in self.choices.items()
+                if isinstance(choice, Tiling)
             ]
             ws = SplitWorkspace.allocate(
                 device,
@@ -73,21 +80,26 @@ class FewRowGemmTable:
 
 
 def table_from_rows(rows: list[dict], margin: float = MARGIN) -> FewRowGemmTable:
-    """The table of bench_verify_gemm's rows: each (layer shape, row count) whose "triton"
-    row took at most 1 - margin of its "torch" row's microseconds."""
-    torch_us, triton_rows = {}, {}
+    """The table of bench_verify_gemm's rows: each (layer shape, row count) whose faster of
+    its "triton" and "cublaslt" rows took at most 1 - margin of its "torch" row's
+    microseconds."""
+    torch_us: dict[LayerRows, float] = {}
+    candidates: dict[LayerRows, list[tuple[float, GemmChoice]]] = {}
     for row in rows:
         key = LayerRows(row["out_features"], row["in_features"], row["rows"])
         if row["backend"] == "torch":
             torch_us[key] = row["us"]
         elif row["backend"] == "triton":
-            triton_rows[key] = row
-    tilings = {
-        key: Tiling(**row["tiling_config"])
-        for key, row in triton_rows.items()
-        if key in torch_us and row["us"] <= (1 - margin) * torch_us[key]
-    }
-    return FewRowGemmTable(tilings)
+            tiling = Tiling(**row["tiling_config"])
+            candidates.setdefault(key, []).append((row["us"], tiling))
+        elif row["backend"] == CUBLASLT:
+            candidates.setdefault(key, []).append((row["us"], CUBLASLT))
+    choices = {}
+    for key, measured in candidates.items():
+        us, choice = min(measured, key=lambda m: m[0])
+        if key in torch_us and us <= (1 - margin) * torch_us[key]:
+            choices[key] = choice
+    return FewRowGemmTable(choices)
 
 
 def load_table(path: str) -> FewRowGemmTable:
@@ -122,18 +134,34 @@ def check_env() -> None:
     active_table()
 
 
+def cublaslt_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T with torch's GEMM sent to cuBLASLt for this call only. The preference is
+    process-wide state, set and restored around the one GEMM on the thread that launches
+    the forward; a CUDA graph captured here keeps cuBLASLt's kernel."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(CUBLASLT)
+    try:
+        return F.linear(x, weight)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
 def linear_if_measured_faster(
     x: torch.Tensor, weight: torch.Tensor
 ) -> Optional[torch.Tensor]:
-    """x @ weight.T through few_row_gemm where the table has this layer at x's row count,
-    else None (the caller runs torch's GEMM)."""
+    """x @ weight.T through the GEMM the table names for this layer at x's row count, else
+    None (the caller runs torch's GEMM)."""
     if _PATH is None:
         return None
     if x.dim() != 2 or x.dtype != weight.dtype or torch.compiler.is_compiling():
         # torch.compile'd pieces (the prefill's piecewise graphs) keep torch's GEMM.
         return None
     table = active_table()
-    tiling = table.tilings.get(LayerRows(weight.shape[0], weight.shape[1], x.shape[0]))
-    if tiling is None or x.stride(1) != 1 or weight.stride(1) != 1:
+    choice = table.choices.get(LayerRows(weight.shape[0], weight.shape[1], x.shape[0]))
+    if choice is None:
         return None
-    return few_row_linear(x, weight, tiling, table.workspace(x.device))
+    if choice == CUBLASLT:
+        return cublaslt_linear(x, weight)
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        return None
+    return few_row_linear(x, weight, choice, table.workspace(x.device))
