@@ -4,7 +4,7 @@ A spec v2 verify runs each of the target's linear layers over bs x num_draft_tok
 cuBLAS's tiles for a hundred rows read the same weights slower than its tiles for a decode's
 few (few_row_gemm.py). Two GEMMs can do better there: few_row_gemm's Triton kernel, and
 cuBLASLt, whose heuristics pick other tiles than cuBLAS's for some shapes (the 7.24B target's
-down_proj over 64-128 rows). Which wins depends on the GPU, the layer's shape and the row
+down_proj from 32 rows). Which wins depends on the GPU, the layer's shape and the row
 count, so a server runs either only where a measurement on its GPU says so:
 
     python benchmark/spec/bench_verify_gemm.py --preset P --rows 32,128 --out gemm.json
@@ -37,7 +37,7 @@ from sglang.srt.layers.few_row_gemm import (
 )
 
 ENV = "SGLANG_FEW_ROW_GEMM"
-# How much faster than torch a tiling must have measured to replace it: timing noise of
+# How much faster than torch a tiling or cuBLASLt must have measured to replace it: timing noise of
 # bench_verify_gemm's loops is about 1 %.
 MARGIN = 0.03
 # A table entry that runs torch's GEMM through cuBLASLt instead of cuBLAS.
@@ -56,7 +56,7 @@ class LayerRows:
 
 @dataclass
 class FewRowGemmTable:
-    """The GEMMs that do not run torch's default: each few_row_gemm's tiling or CUBLASLT."""
+    """The GEMMs that do not run torch's default: each a few_row_gemm tiling or CUBLASLT."""
 
     choices: dict[LayerRows, GemmChoice]
     # One per device, sized for the table's largest split call at its first use.
